@@ -1,0 +1,279 @@
+"""The vocabulary of fencepost: requests, wire messages, machine events and effects.
+
+Everything here is a small frozen msgspec struct. The same classes serve three
+purposes: in-memory events fed to the machines, effects the machines return, and
+(for the wire messages) msgpack frames exchanged with remote workers, where the
+field constraints below validate untrusted input at decode time.
+
+An assignment names one attempt at serving one request: (request_id, attempt).
+Attempts only grow. Every message about generated output names its assignment
+and a zero-based token index, so a receiver can accept exactly the next index of
+the assignment it considers active and drop everything else (the fence).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from msgspec import Meta, Struct
+
+RequestId = Annotated[str, Meta(min_length=1, max_length=256)]
+WorkerId = Annotated[str, Meta(min_length=1, max_length=256)]
+Count = Annotated[int, Meta(ge=0, le=2**40)]
+TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
+Positive = Annotated[int, Meta(ge=1, le=2**40)]
+
+FinishReason = Literal["eos", "length", "cancelled", "failed"]
+"""Why a worker stopped an assignment. Only eos and length complete a request."""
+
+ClientFinishReason = Literal["eos", "length"]
+
+ErrorKind = Literal["no_worker", "overloaded", "worker_lost", "failed", "cancelled"]
+"""Terminal error outcomes a client can see; the HTTP layer maps each to a status."""
+
+DeclineReason = Literal[
+    "wrong_worker", "stale_epoch", "stale_attempt", "no_slot", "context_length", "cancelled"
+]
+
+
+class Assignment(Struct, frozen=True, array_like=True):
+    """One attempt at one request. Attempt numbers start at 1 and only grow."""
+
+    request_id: RequestId
+    attempt: Positive
+
+
+class Sampling(Struct, frozen=True):
+    """Per-request sampling. temperature 0 means greedy; seed makes sampling reproducible."""
+
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 0.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
+
+
+class GenerationRequest(Struct, frozen=True):
+    """What the router schedules: token ids in, token ids out. No JSON, no text."""
+
+    request_id: RequestId
+    prompt_token_ids: tuple[TokenId, ...]
+    max_new_tokens: Positive
+    sampling: Sampling = Sampling()
+    stop_token_ids: tuple[TokenId, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Checked here (not only by Meta) so that requests built in memory are
+        # held to the same rules as requests decoded from the wire.
+        if not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+
+    @property
+    def context_tokens(self) -> int:
+        """Context positions the request may occupy: prompt plus every new token."""
+        return len(self.prompt_token_ids) + self.max_new_tokens
+
+
+# --- wire messages (router <-> worker), tagged so one decoder reads them all ---
+
+
+class WireMessage(Struct, frozen=True, tag_field="type", tag=True, forbid_unknown_fields=True):
+    """Base of every frame on the router-worker link."""
+
+
+class Offer(WireMessage, frozen=True):
+    """Router -> worker: please run this assignment (addressed to one worker epoch)."""
+
+    worker_id: WorkerId
+    epoch: Count
+    assignment: Assignment
+    request: GenerationRequest
+
+
+class Cancel(WireMessage, frozen=True):
+    """Router -> worker: stop this assignment and free its slot (idempotent)."""
+
+    assignment: Assignment
+
+
+class OfferResult(WireMessage, frozen=True):
+    """Worker -> router: the answer to an offer. A duplicate offer gets the same answer."""
+
+    worker_id: WorkerId
+    epoch: Count
+    assignment: Assignment
+    accepted: bool
+    reason: DeclineReason | None = None
+
+
+class Token(WireMessage, frozen=True):
+    """Worker -> router: the token at `index` of the request's output."""
+
+    assignment: Assignment
+    index: Count
+    token_id: TokenId
+
+
+class Finished(WireMessage, frozen=True):
+    """Worker -> router: the assignment ended after `completion_tokens` tokens."""
+
+    assignment: Assignment
+    reason: FinishReason
+    completion_tokens: Count
+
+
+class Heartbeat(WireMessage, frozen=True):
+    """Worker -> router: liveness, capacity, and the assignments the worker holds."""
+
+    worker_id: WorkerId
+    epoch: Count
+    seq: Count
+    slots: Count
+    free_slots: Count
+    max_context: Count
+    active: tuple[Assignment, ...] = ()
+
+
+ToWorker = Offer | Cancel
+FromWorker = OfferResult | Token | Finished | Heartbeat
+AnyWireMessage = Offer | Cancel | OfferResult | Token | Finished | Heartbeat
+
+
+# --- timers: a key names a timer; arming a key again replaces its deadline ---
+
+
+class OfferTimer(Struct, frozen=True):
+    assignment: Assignment
+
+
+class LivenessTimer(Struct, frozen=True):
+    worker_id: str
+
+
+class HeartbeatTimer(Struct, frozen=True):
+    pass
+
+
+TimerKey = OfferTimer | LivenessTimer | HeartbeatTimer
+
+
+class TimerFired(Struct, frozen=True):
+    key: TimerKey
+
+
+class ArmTimer(Struct, frozen=True):
+    key: TimerKey
+    deadline: float
+
+
+class DisarmTimer(Struct, frozen=True):
+    key: TimerKey
+
+
+# --- router events and effects ---
+
+
+class Submit(Struct, frozen=True):
+    """A client asks for a generation."""
+
+    request: GenerationRequest
+
+
+class ClientCancel(Struct, frozen=True):
+    """The client went away or its stop condition matched; deliver nothing more."""
+
+    request_id: str
+
+
+class FromWorkerMessage(Struct, frozen=True):
+    """A frame that arrived from the connection of `worker_id`."""
+
+    worker_id: str
+    message: FromWorker
+
+
+RouterEvent = Submit | ClientCancel | FromWorkerMessage | TimerFired
+
+
+class SendToWorker(Struct, frozen=True):
+    worker_id: str
+    message: ToWorker
+
+
+class DeliverToken(Struct, frozen=True):
+    """The next token of a client's stream, index = number delivered before it."""
+
+    request_id: str
+    index: int
+    token_id: int
+
+
+class DeliverFinished(Struct, frozen=True):
+    """Terminal: the generation completed."""
+
+    request_id: str
+    reason: ClientFinishReason
+    completion_tokens: int
+
+
+class DeliverError(Struct, frozen=True):
+    """Terminal: the generation ended without completing."""
+
+    request_id: str
+    kind: ErrorKind
+    message: str
+
+
+Delivery = DeliverToken | DeliverFinished | DeliverError
+RouterEffect = SendToWorker | ArmTimer | DisarmTimer | DeliverToken | DeliverFinished | DeliverError
+
+
+# --- worker events and effects ---
+
+
+class WorkerStart(Struct, frozen=True):
+    """The worker process is up: announce it and start heartbeating."""
+
+
+class FromRouterMessage(Struct, frozen=True):
+    message: ToWorker
+
+
+class Decoded(Struct, frozen=True):
+    """The decoder produced the token at `index` for an assignment."""
+
+    assignment: Assignment
+    index: int
+    token_id: int
+
+
+class DecodeDone(Struct, frozen=True):
+    """The decoder stopped an assignment on its own (eos, length, or an error)."""
+
+    assignment: Assignment
+    reason: Literal["eos", "length", "failed"]
+
+
+class DecoderFailed(Struct, frozen=True):
+    """The whole decoder broke: every active assignment ends as failed."""
+
+    message: str = ""
+
+
+WorkerEvent = WorkerStart | FromRouterMessage | Decoded | DecodeDone | DecoderFailed | TimerFired
+
+
+class SendToRouter(Struct, frozen=True):
+    message: FromWorker
+
+
+class StartDecode(Struct, frozen=True):
+    assignment: Assignment
+    request: GenerationRequest
+
+
+class StopDecode(Struct, frozen=True):
+    assignment: Assignment
+
+
+WorkerEffect = SendToRouter | StartDecode | StopDecode | ArmTimer | DisarmTimer

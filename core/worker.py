@@ -1,0 +1,229 @@
+"""The worker machine: every worker state transition lives in this file.
+
+One Worker fronts one decoder. It answers the router's offers (its own
+admission check), tells the decoder what to start and stop, fences the
+decoder's output, and heartbeats its epoch, capacity and held assignments.
+
+Theory of operation
+-------------------
+An assignment the worker has accepted is *active* until exactly one of: the
+decoder finishes it, the router cancels it, or the decoder breaks. Each of
+those ends it through `_end`, the one place a slot is given back, so a slot is
+freed once whatever order cancel, finish and failure arrive in.
+
+Offers are answered idempotently: the answer to each assignment is remembered
+(in a bounded table), and a duplicate offer gets the same answer again rather
+than a second slot. An offer for another worker id or another epoch (it was
+meant for this worker before a restart) is declined. A Cancel that overtakes
+its Offer is remembered as the answer, so the late Offer is declined.
+
+Decoder output passes the same fence as at the router: a token goes out only
+if it names an active assignment and carries the next index; anything else
+(late output after a cancel, a repeated or skipped index) is dropped and
+counted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+
+from msgspec import Struct
+
+from core.protocol import (
+    ArmTimer,
+    Assignment,
+    Cancel,
+    DeclineReason,
+    Decoded,
+    DecodeDone,
+    DecoderFailed,
+    Finished,
+    FinishReason,
+    FromRouterMessage,
+    Heartbeat,
+    HeartbeatTimer,
+    Offer,
+    OfferResult,
+    SendToRouter,
+    StartDecode,
+    StopDecode,
+    TimerFired,
+    Token,
+    WorkerEffect,
+    WorkerEvent,
+    WorkerStart,
+)
+
+
+class WorkerMisuse(Exception):
+    """Our own code fed the worker an event it can never take (a bug, not bad input)."""
+
+
+class WorkerConfig(Struct, frozen=True):
+    worker_id: str
+    epoch: int = 0
+    slots: int = 8
+    max_context: int = 2048
+    heartbeat_interval_s: float = 0.5
+    remembered_answers: int = 4096  # bound on the duplicate-offer table
+
+
+class WorkerStatistics(Struct, frozen=True):
+    worker_id: str
+    epoch: int
+    slots: int
+    active: int
+    accepted: int
+    declined: dict[str, int]
+    fenced: dict[str, int]
+    tokens_sent: int
+
+
+@dataclass(slots=True)
+class _Active:
+    max_new_tokens: int
+    emitted: int = 0
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self._active: dict[Assignment, _Active] = {}
+        self._answers: OrderedDict[Assignment, OfferResult] = OrderedDict()
+        self._seq = 0
+        self._fenced: Counter[str] = Counter()
+        self._declined: Counter[str] = Counter()
+        self._accepted = 0
+        self._tokens_sent = 0
+
+    @property
+    def free_slots(self) -> int:
+        return self.config.slots - len(self._active)
+
+    def handle(self, event: WorkerEvent, now: float) -> list[WorkerEffect]:
+        out: list[WorkerEffect] = []
+        match event:
+            case Decoded(assignment, index, token_id):
+                self._on_decoded(assignment, index, token_id, out)
+            case DecodeDone(assignment, reason):
+                if assignment in self._active:
+                    self._end(assignment, reason, out)
+                else:
+                    self._fenced["late_finish"] += 1
+            case FromRouterMessage(Offer() as offer):
+                self._on_offer(offer, out)
+            case FromRouterMessage(Cancel(assignment)):
+                self._on_cancel(assignment, out)
+            case TimerFired(HeartbeatTimer()) | WorkerStart():
+                out.append(SendToRouter(self._heartbeat()))
+                deadline = now + self.config.heartbeat_interval_s
+                out.append(ArmTimer(HeartbeatTimer(), deadline))
+            case DecoderFailed():
+                for assignment in list(self._active):
+                    self._end(assignment, "failed", out)
+            case _:
+                raise WorkerMisuse(f"worker cannot handle {event!r}")
+        return out
+
+    def statistics(self) -> WorkerStatistics:
+        return WorkerStatistics(
+            worker_id=self.config.worker_id,
+            epoch=self.config.epoch,
+            slots=self.config.slots,
+            active=len(self._active),
+            accepted=self._accepted,
+            declined=dict(self._declined),
+            fenced=dict(self._fenced),
+            tokens_sent=self._tokens_sent,
+        )
+
+    def _on_decoded(
+        self, assignment: Assignment, index: int, token_id: int, out: list[WorkerEffect]
+    ) -> None:
+        active = self._active.get(assignment)
+        if active is None:
+            self._fenced["late_token"] += 1
+        elif index != active.emitted:
+            self._fenced["duplicate" if index < active.emitted else "gap"] += 1
+        elif index >= active.max_new_tokens:
+            self._fenced["over_budget"] += 1
+        else:
+            active.emitted += 1
+            self._tokens_sent += 1
+            out.append(SendToRouter(Token(assignment, index, token_id)))
+
+    def _on_offer(self, offer: Offer, out: list[WorkerEffect]) -> None:
+        assignment = offer.assignment
+        answer = self._answers.get(assignment)
+        if answer is None:
+            answer = self._decide(offer, out)
+            self._remember(answer)
+        else:
+            self._fenced["duplicate_offer"] += 1
+        out.append(SendToRouter(answer))
+
+    def _decide(self, offer: Offer, out: list[WorkerEffect]) -> OfferResult:
+        """Admission for a first-seen offer; starts decoding when accepted."""
+        if offer.worker_id != self.config.worker_id:
+            return self._decline(offer.assignment, "wrong_worker")
+        if offer.epoch != self.config.epoch:
+            return self._decline(offer.assignment, "stale_epoch")
+        current = self._attempt_of(offer.assignment.request_id)
+        if current is not None:
+            if current.attempt > offer.assignment.attempt:
+                return self._decline(offer.assignment, "stale_attempt")
+            # The router moved on to a newer attempt here: the old one is dead.
+            self._end(current, "cancelled", out)
+        if self.free_slots <= 0:
+            return self._decline(offer.assignment, "no_slot")
+        if offer.request.context_tokens > self.config.max_context:
+            return self._decline(offer.assignment, "context_length")
+        self._active[offer.assignment] = _Active(offer.request.max_new_tokens)
+        self._accepted += 1
+        out.append(StartDecode(offer.assignment, offer.request))
+        return OfferResult(self.config.worker_id, self.config.epoch, offer.assignment, True)
+
+    def _on_cancel(self, assignment: Assignment, out: list[WorkerEffect]) -> None:
+        if assignment in self._active:
+            self._end(assignment, "cancelled", out)
+        elif assignment not in self._answers:
+            # The cancel overtook its offer: make sure the offer is declined.
+            self._remember(self._decline(assignment, "cancelled"))
+        else:
+            self._fenced["late_cancel"] += 1
+
+    def _end(self, assignment: Assignment, reason: FinishReason, out: list[WorkerEffect]) -> None:
+        """The one place an active assignment ends and its slot is freed."""
+        active = self._active.pop(assignment)
+        if reason == "cancelled":  # otherwise the decoder has already stopped
+            out.append(StopDecode(assignment))
+        out.append(SendToRouter(Finished(assignment, reason, active.emitted)))
+
+    def _decline(self, assignment: Assignment, reason: DeclineReason) -> OfferResult:
+        self._declined[reason] += 1
+        config = self.config
+        return OfferResult(config.worker_id, config.epoch, assignment, False, reason)
+
+    def _remember(self, answer: OfferResult) -> None:
+        self._answers[answer.assignment] = answer
+        while len(self._answers) > self.config.remembered_answers:
+            self._answers.popitem(last=False)
+
+    def _attempt_of(self, request_id: str) -> Assignment | None:
+        for assignment in self._active:
+            if assignment.request_id == request_id:
+                return assignment
+        return None
+
+    def _heartbeat(self) -> Heartbeat:
+        self._seq += 1
+        return Heartbeat(
+            worker_id=self.config.worker_id,
+            epoch=self.config.epoch,
+            seq=self._seq,
+            slots=self.config.slots,
+            free_slots=self.free_slots,
+            max_context=self.config.max_context,
+            active=tuple(self._active),
+        )

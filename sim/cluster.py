@@ -1,0 +1,309 @@
+"""A cluster of the real core machines joined by a controllable fake network.
+
+Cluster wires one core Router to N core Workers. Nothing here decides *when*
+things happen: the caller (a hypothesis state machine in the tests, a seeded
+scheduler in the simulator) picks which in-flight message to deliver, which
+to duplicate, when a decoder makes a step and when time advances. The cluster
+executes the machines' effects faithfully and records what every client saw,
+so the oracles in check_safety() can judge the run after every step.
+
+The fake decoder is deterministic: token k of a request is a pure function of
+the prompt, the sampling seed and k (reference_token), so every attempt of a
+request, on any worker, produces the same output, and the client's stream must
+always be a prefix of reference_output().
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import cast
+
+from core.protocol import (
+    ArmTimer,
+    Assignment,
+    ClientCancel,
+    Decoded,
+    DecodeDone,
+    DeliverError,
+    DeliverFinished,
+    DeliverToken,
+    DisarmTimer,
+    FromRouterMessage,
+    FromWorker,
+    FromWorkerMessage,
+    GenerationRequest,
+    RouterEffect,
+    RouterEvent,
+    SendToRouter,
+    SendToWorker,
+    StartDecode,
+    StopDecode,
+    Submit,
+    TimerFired,
+    TimerKey,
+    ToWorker,
+    WorkerEffect,
+    WorkerEvent,
+    WorkerStart,
+)
+from core.router import Router, RouterConfig
+from core.worker import Worker, WorkerConfig
+
+VOCAB = 50_000
+EOS_TOKEN = 0
+_MASK = (1 << 64) - 1
+
+
+def reference_token(request: GenerationRequest, index: int) -> int:
+    """The fake decoder's token at `index`: a pure function of prompt, seed and index."""
+    mix = 0x9E3779B97F4A7C15 ^ (request.sampling.seed or 0) & _MASK
+    for token in request.prompt_token_ids:
+        mix = ((mix ^ token) * 0x100000001B3) & _MASK
+    mix = ((mix ^ index) * 0xFF51AFD7ED558CCD) & _MASK
+    mix ^= mix >> 29
+    return EOS_TOKEN if mix % 17 == 0 else 1 + mix % (VOCAB - 1)
+
+
+def reference_output(request: GenerationRequest) -> tuple[list[int], str]:
+    """What an undisturbed run returns: the tokens and the finish reason."""
+    tokens: list[int] = []
+    for index in range(request.max_new_tokens):
+        token = reference_token(request, index)
+        tokens.append(token)
+        if token == EOS_TOKEN:
+            return tokens, "eos"
+    return tokens, "length"
+
+
+class InvariantViolation(AssertionError):
+    """An oracle found behaviour the contract forbids."""
+
+
+@dataclass(slots=True)
+class Packet:
+    """A message on the fake network. `to` is a worker id, or None for the router."""
+
+    ident: int
+    source: str  # worker id of the sender (the router's messages name their target in `to`)
+    to: str | None
+    message: ToWorker | FromWorker
+
+
+@dataclass(slots=True)
+class ClientStream:
+    """Everything one client received, in order."""
+
+    request: GenerationRequest
+    tokens: list[int] = field(default_factory=list)
+    outcome: DeliverFinished | DeliverError | None = None
+    cancel_requested: bool = False
+
+
+@dataclass(slots=True)
+class _Decode:
+    request: GenerationRequest
+    next_index: int = 0
+
+
+class Cluster:
+    def __init__(
+        self,
+        worker_ids: list[str],
+        router_config: RouterConfig | None = None,
+        slots: int = 2,
+        max_context: int = 4096,
+        heartbeat_interval_s: float = 0.5,
+    ) -> None:
+        self.now = 0.0
+        self.router = Router(router_config)
+        self.router_timers: dict[TimerKey, float] = {}
+        self.slots = slots
+        self.max_context = max_context
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.workers: dict[str, Worker] = {}
+        self.worker_timers: dict[str, dict[TimerKey, float]] = {}
+        self.decodes: dict[str, dict[Assignment, _Decode]] = {}
+        self.down: set[str] = set()
+        self.in_flight: list[Packet] = []
+        self.streams: dict[str, ClientStream] = {}
+        self._packet_ids = 0
+        self.violations: list[str] = []
+        for worker_id in worker_ids:
+            self.start_worker(worker_id, epoch=0)
+
+    # --- driving ---
+
+    def start_worker(self, worker_id: str, epoch: int) -> None:
+        config = WorkerConfig(
+            worker_id,
+            epoch=epoch,
+            slots=self.slots,
+            max_context=self.max_context,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+        )
+        self.workers[worker_id] = Worker(config)
+        self.worker_timers[worker_id] = {}
+        self.decodes[worker_id] = {}
+        self.down.discard(worker_id)
+        self._run_worker(worker_id, WorkerStart())
+
+    def crash_worker(self, worker_id: str) -> None:
+        """The process dies: its state, timers and decodes are gone."""
+        self.down.add(worker_id)
+        self.worker_timers[worker_id] = {}
+        self.decodes[worker_id] = {}
+
+    def restart_worker(self, worker_id: str) -> None:
+        self.start_worker(worker_id, self.workers[worker_id].config.epoch + 1)
+
+    def submit(self, request: GenerationRequest) -> None:
+        self.streams[request.request_id] = ClientStream(request)
+        self._run_router(Submit(request))
+
+    def cancel(self, request_id: str) -> None:
+        self.streams[request_id].cancel_requested = True
+        self._run_router(ClientCancel(request_id))
+
+    def deliver(self, position: int) -> None:
+        """Deliver the in-flight packet at `position` (any order: the network reorders)."""
+        packet = self.in_flight.pop(position)
+        if packet.to is None:
+            message = cast(FromWorker, packet.message)
+            self._run_router(FromWorkerMessage(packet.source, message))
+        elif packet.to not in self.down:
+            self._run_worker(packet.to, FromRouterMessage(cast(ToWorker, packet.message)))
+
+    def duplicate(self, position: int) -> None:
+        packet = self.in_flight[position]
+        self._send(packet.source, packet.to, packet.message)
+
+    def drop(self, position: int) -> None:
+        self.in_flight.pop(position)
+
+    def decode_step(self, worker_id: str, assignment: Assignment) -> None:
+        """The fake decoder emits the next token of one running assignment."""
+        decode = self.decodes[worker_id][assignment]
+        index = decode.next_index
+        token = reference_token(decode.request, index)
+        decode.next_index += 1
+        self._run_worker(worker_id, Decoded(assignment, index, token))
+        if token == EOS_TOKEN or decode.next_index >= decode.request.max_new_tokens:
+            self.decodes[worker_id].pop(assignment, None)
+            done = DecodeDone(assignment, "eos" if token == EOS_TOKEN else "length")
+            self._run_worker(worker_id, done)
+
+    def running_decodes(self) -> list[tuple[str, Assignment]]:
+        return [(w, a) for w, decodes in self.decodes.items() for a in decodes]
+
+    def next_deadline(self) -> float | None:
+        deadlines = list(self.router_timers.values())
+        for worker_id, timers in self.worker_timers.items():
+            if worker_id not in self.down:
+                deadlines.extend(timers.values())
+        return min(deadlines, default=None)
+
+    def advance(self, until: float) -> None:
+        """Move the clock to `until`, firing every timer due on the way, in order."""
+        while (deadline := self.next_deadline()) is not None and deadline <= until:
+            self.now = max(self.now, deadline)
+            self._fire_due()
+        self.now = max(self.now, until)
+
+    # --- oracles ---
+
+    def check_safety(self) -> None:
+        """Raise InvariantViolation if any client saw something the contract forbids."""
+        if self.violations:
+            raise InvariantViolation(self.violations[0])
+        for worker_id, worker in self.workers.items():
+            if worker_id not in self.down and worker.free_slots < 0:
+                raise InvariantViolation(f"{worker_id} over-committed its slots")
+        for view in self.router.statistics().workers:
+            if view.held > view.slots:
+                raise InvariantViolation(f"router over-committed {view.worker_id}")
+
+    def unfinished(self) -> list[str]:
+        return [rid for rid, s in self.streams.items() if s.outcome is None]
+
+    # --- effect execution ---
+
+    def _send(self, source: str, to: str | None, message: ToWorker | FromWorker) -> None:
+        self._packet_ids += 1
+        self.in_flight.append(Packet(self._packet_ids, source, to, message))
+
+    def _run_router(self, event: RouterEvent) -> None:
+        effects = self.router.handle(event, self.now)
+        for effect in effects:
+            self._apply_router_effect(effect)
+
+    def _apply_router_effect(self, effect: RouterEffect) -> None:
+        match effect:
+            case SendToWorker(worker_id, message):
+                self._send("router", worker_id, message)
+            case ArmTimer(key, deadline):
+                self.router_timers[key] = deadline
+            case DisarmTimer(key):
+                self.router_timers.pop(key, None)
+            case DeliverToken() | DeliverFinished() | DeliverError():
+                self._record_delivery(effect)
+
+    def _record_delivery(self, effect: DeliverToken | DeliverFinished | DeliverError) -> None:
+        stream = self.streams.get(effect.request_id)
+        if stream is None:
+            self.violations.append(f"delivery for unknown request {effect.request_id}")
+            return
+        rid = effect.request_id
+        if stream.outcome is not None:
+            self.violations.append(f"{rid}: delivery {effect!r} after terminal {stream.outcome!r}")
+            return
+        reference, reason = reference_output(stream.request)
+        match effect:
+            case DeliverToken(_, index, token_id):
+                if index != len(stream.tokens):
+                    self.violations.append(f"{rid}: index {index} after {len(stream.tokens)}")
+                elif index >= len(reference) or reference[index] != token_id:
+                    self.violations.append(f"{rid}: token {token_id} at {index} is foreign")
+                stream.tokens.append(token_id)
+            case DeliverFinished(_, finish_reason, count):
+                if stream.tokens != reference or finish_reason != reason:
+                    self.violations.append(f"{rid}: finished early or wrong: {effect!r}")
+                if count != len(stream.tokens):
+                    self.violations.append(f"{rid}: usage {count} != {len(stream.tokens)}")
+                stream.outcome = effect
+            case DeliverError(_, kind, _):
+                if kind == "cancelled" and not stream.cancel_requested:
+                    self.violations.append(f"{rid}: cancelled without a client cancel")
+                stream.outcome = effect
+
+    def _run_worker(self, worker_id: str, event: WorkerEvent) -> None:
+        if worker_id in self.down:
+            return
+        effects = self.workers[worker_id].handle(event, self.now)
+        for effect in effects:
+            self._apply_worker_effect(worker_id, effect)
+
+    def _apply_worker_effect(self, worker_id: str, effect: WorkerEffect) -> None:
+        match effect:
+            case SendToRouter(message):
+                self._send(worker_id, None, message)
+            case StartDecode(assignment, request):
+                self.decodes[worker_id][assignment] = _Decode(request)
+            case StopDecode(assignment):
+                self.decodes[worker_id].pop(assignment, None)
+            case ArmTimer(key, deadline):
+                self.worker_timers[worker_id][key] = deadline
+            case DisarmTimer(key):
+                self.worker_timers[worker_id].pop(key, None)
+
+    def _fire_due(self) -> None:
+        for key, deadline in sorted(self.router_timers.items(), key=lambda kv: kv[1]):
+            if deadline <= self.now and self.router_timers.get(key) == deadline:
+                del self.router_timers[key]
+                self._run_router(TimerFired(key))
+        for worker_id, timers in self.worker_timers.items():
+            if worker_id in self.down:
+                continue
+            for key, deadline in sorted(timers.items(), key=lambda kv: kv[1]):
+                if deadline <= self.now and timers.get(key) == deadline:
+                    del timers[key]
+                    self._run_worker(worker_id, TimerFired(key))

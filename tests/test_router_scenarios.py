@@ -1,0 +1,340 @@
+"""Router scenarios, driven only through Router.handle, as a worker and client would."""
+
+from __future__ import annotations
+
+from core.protocol import (
+    ArmTimer,
+    Assignment,
+    Cancel,
+    ClientCancel,
+    DeliverError,
+    DeliverFinished,
+    DeliverToken,
+    Finished,
+    FromWorkerMessage,
+    GenerationRequest,
+    Heartbeat,
+    LivenessTimer,
+    Offer,
+    OfferResult,
+    OfferTimer,
+    RouterEffect,
+    SendToWorker,
+    Submit,
+    TimerFired,
+    Token,
+)
+from core.router import Router, RouterConfig
+
+
+def request(rid: str, max_new: int = 8, prompt: tuple[int, ...] = (1, 2, 3)) -> GenerationRequest:
+    return GenerationRequest(rid, prompt, max_new)
+
+
+def beat(
+    router: Router,
+    worker: str,
+    now: float = 0.0,
+    epoch: int = 0,
+    seq: int = 1,
+    slots: int = 2,
+    active: tuple[Assignment, ...] = (),
+    max_context: int = 1024,
+) -> list[RouterEffect]:
+    hb = Heartbeat(worker, epoch, seq, slots, slots - len(active), max_context, active)
+    return router.handle(FromWorkerMessage(worker, hb), now)
+
+
+def offers(effects: list[RouterEffect]) -> list[tuple[str, Offer]]:
+    return [
+        (e.worker_id, e.message)
+        for e in effects
+        if isinstance(e, SendToWorker) and isinstance(e.message, Offer)
+    ]
+
+
+def cancels(effects: list[RouterEffect]) -> list[tuple[str, Assignment]]:
+    return [
+        (e.worker_id, e.message.assignment)
+        for e in effects
+        if isinstance(e, SendToWorker) and isinstance(e.message, Cancel)
+    ]
+
+
+def outcomes(effects: list[RouterEffect]) -> list[DeliverFinished | DeliverError]:
+    return [e for e in effects if isinstance(e, DeliverFinished | DeliverError)]
+
+
+def from_worker(router: Router, worker: str, message: object, now: float = 0.0) -> list:
+    return router.handle(FromWorkerMessage(worker, message), now)  # type: ignore[arg-type]
+
+
+def accept(router: Router, worker: str, a: Assignment, now: float = 0.0) -> list[RouterEffect]:
+    return from_worker(router, worker, OfferResult(worker, 0, a, True), now)
+
+
+def test_offer_goes_to_a_healthy_worker_with_a_timer() -> None:
+    router = Router(RouterConfig(offer_timeout_s=2.0))
+    beat(router, "w1")
+    effects = router.handle(Submit(request("a")), 10.0)
+    [(worker, offer)] = offers(effects)
+    assert worker == "w1"
+    assert offer.assignment == Assignment("a", 1)
+    assert offer.epoch == 0
+    assert ArmTimer(OfferTimer(Assignment("a", 1)), 12.0) in effects
+
+
+def test_duplicate_and_gap_are_fenced_while_the_next_index_is_delivered() -> None:
+    router = Router()
+    beat(router, "w1")
+    router.handle(Submit(request("a")), 0)
+    a1 = Assignment("a", 1)
+    accept(router, "w1", a1)
+    assert from_worker(router, "w1", Token(a1, 0, 100)) == [DeliverToken("a", 0, 100)]
+    assert from_worker(router, "w1", Token(a1, 0, 100)) == []  # duplicate
+    assert from_worker(router, "w1", Token(a1, 2, 102)) == []  # gap
+    assert from_worker(router, "w1", Token(a1, 1, 101)) == [DeliverToken("a", 1, 101)]
+    fenced = router.statistics().fenced
+    assert fenced["duplicate"] == 1
+    assert fenced["gap"] == 1
+
+
+def test_token_from_another_worker_is_fenced() -> None:
+    router = Router()
+    beat(router, "w1")
+    beat(router, "w2")
+    router.handle(Submit(request("a")), 0)
+    a1 = Assignment("a", 1)
+    accept(router, "w1", a1)
+    assert from_worker(router, "w2", Token(a1, 0, 5)) == []
+    assert router.statistics().fenced["wrong_worker"] == 1
+
+
+def test_token_before_the_accept_counts_as_acceptance() -> None:
+    router = Router()
+    beat(router, "w1")
+    router.handle(Submit(request("a")), 0)
+    a1 = Assignment("a", 1)
+    assert DeliverToken("a", 0, 7) in from_worker(router, "w1", Token(a1, 0, 7))
+    # the reordered accept arrives afterwards and changes nothing
+    assert accept(router, "w1", a1) == []
+    assert router.statistics().requests_by_phase == {"streaming": 1}
+
+
+def test_finished_waits_for_tokens_still_in_flight() -> None:
+    router = Router()
+    beat(router, "w1")
+    router.handle(Submit(request("a")), 0)
+    a1 = Assignment("a", 1)
+    accept(router, "w1", a1)
+    from_worker(router, "w1", Token(a1, 0, 1))
+    assert from_worker(router, "w1", Finished(a1, "eos", 3)) == []
+    assert from_worker(router, "w1", Token(a1, 1, 2)) == [DeliverToken("a", 1, 2)]
+    assert from_worker(router, "w1", Token(a1, 2, 3)) == [
+        DeliverToken("a", 2, 3),
+        DeliverFinished("a", "eos", 3),
+    ]
+    assert router.statistics().workers[0].held == 0
+
+
+def test_offer_timeout_moves_to_attempt_two_on_another_worker() -> None:
+    router = Router(RouterConfig(offer_timeout_s=1.0))
+    beat(router, "w1")
+    beat(router, "w2")
+    [(first, _)] = offers(router.handle(Submit(request("a")), 0))
+    effects = router.handle(TimerFired(OfferTimer(Assignment("a", 1))), 1.0)
+    [(second, offer)] = offers(effects)
+    assert second != first
+    assert offer.assignment == Assignment("a", 2)
+    # the slow worker is told to drop the first attempt if it ever gets it
+    assert (first, Assignment("a", 1)) in cancels(effects)
+
+
+def test_stale_attempts_output_is_a_no_op() -> None:
+    router = Router(RouterConfig(offer_timeout_s=1.0))
+    beat(router, "w1")
+    beat(router, "w2")
+    router.handle(Submit(request("a")), 0)
+    router.handle(TimerFired(OfferTimer(Assignment("a", 1))), 1.0)
+    stale = Assignment("a", 1)
+    assert from_worker(router, "w1", Finished(stale, "eos", 0)) == []
+    assert from_worker(router, "w1", Token(stale, 0, 9)) == []
+    assert router.statistics().requests_by_phase == {"offered": 1}
+    assert router.statistics().fenced["stale_attempt"] == 2
+
+
+def test_decline_retries_on_the_next_candidate() -> None:
+    router = Router()
+    beat(router, "w1")
+    beat(router, "w2")
+    [(first, _)] = offers(router.handle(Submit(request("a")), 0))
+    declined = OfferResult(first, 0, Assignment("a", 1), False, "no_slot")
+    [(second, offer)] = offers(from_worker(router, first, declined))
+    assert second != first
+    assert offer.assignment.attempt == 2
+
+
+def test_attempts_are_bounded() -> None:
+    router = Router(RouterConfig(max_attempts=2))
+    beat(router, "w1")
+    beat(router, "w2")
+    router.handle(Submit(request("a")), 0)
+    for attempt, worker in ((1, "w1"), (2, "w2")):
+        effects = from_worker(
+            router, worker, OfferResult(worker, 0, Assignment("a", attempt), False, "no_slot")
+        )
+    [outcome] = outcomes(effects)
+    assert isinstance(outcome, DeliverError)
+    assert outcome.kind == "no_worker"
+
+
+def test_worker_crash_before_first_token_completes_elsewhere() -> None:
+    router = Router()
+    beat(router, "w1")
+    beat(router, "w2")
+    router.handle(Submit(request("a", max_new=2)), 0)
+    a1 = Assignment("a", 1)
+    accept(router, "w1", a1)
+    # w1 comes back with a new epoch: it lost everything it held
+    effects = beat(router, "w1", now=0.5, epoch=1)
+    [(worker, offer)] = offers(effects)
+    assert (worker, offer.assignment) == ("w2", Assignment("a", 2))
+    a2 = offer.assignment
+    from_worker(router, "w2", OfferResult("w2", 0, a2, True))
+    assert from_worker(router, "w2", Token(a2, 0, 4)) == [DeliverToken("a", 0, 4)]
+    from_worker(router, "w2", Token(a2, 1, 5))
+    assert outcomes(from_worker(router, "w2", Finished(a2, "length", 2))) == [
+        DeliverFinished("a", "length", 2)
+    ]
+
+
+def test_heartbeat_expiry_before_first_token_fails_over() -> None:
+    router = Router(RouterConfig(heartbeat_timeout_s=3.0))
+    beat(router, "w1")
+    beat(router, "w2", now=2.0)
+    router.handle(Submit(request("a")), 2.0)
+    accept(router, "w1", Assignment("a", 1))
+    effects = router.handle(TimerFired(LivenessTimer("w1")), 3.0)
+    [(worker, offer)] = offers(effects)
+    assert (worker, offer.assignment.attempt) == ("w2", 2)
+    assert not router.statistics().workers[0].healthy
+
+
+def test_worker_lost_after_first_token_ends_the_stream_with_worker_lost() -> None:
+    router = Router(RouterConfig(heartbeat_timeout_s=3.0))
+    beat(router, "w1")
+    beat(router, "w2")
+    router.handle(Submit(request("a")), 0)
+    a1 = Assignment("a", 1)
+    accept(router, "w1", a1)
+    from_worker(router, "w1", Token(a1, 0, 1))
+    beat(router, "w2", now=2.5, seq=2)
+    effects = router.handle(TimerFired(LivenessTimer("w1")), 3.0)
+    assert offers(effects) == []
+    [outcome] = outcomes(effects)
+    assert isinstance(outcome, DeliverError)
+    assert outcome.kind == "worker_lost"
+    # nothing more is delivered for it, whatever arrives
+    assert from_worker(router, "w1", Token(a1, 1, 2)) == []
+
+
+def test_liveness_timer_before_expiry_rearms() -> None:
+    router = Router(RouterConfig(heartbeat_timeout_s=3.0))
+    beat(router, "w1", now=0.0)
+    beat(router, "w1", now=2.0, seq=2)
+    effects = router.handle(TimerFired(LivenessTimer("w1")), 3.0)
+    assert effects == [ArmTimer(LivenessTimer("w1"), 5.0)]
+    assert router.statistics().workers[0].healthy
+
+
+def test_old_heartbeats_are_ignored() -> None:
+    router = Router(RouterConfig(heartbeat_timeout_s=3.0))
+    beat(router, "w1", now=0.0, epoch=1, seq=5)
+    assert beat(router, "w1", now=1.0, epoch=1, seq=4) == []
+    assert beat(router, "w1", now=1.0, epoch=0, seq=9) == []
+    assert router.statistics().fenced["stale_heartbeat"] == 2
+
+
+def test_client_cancel_sends_cancel_and_frees_the_slot_once() -> None:
+    router = Router()
+    beat(router, "w1", slots=1)
+    router.handle(Submit(request("a")), 0)
+    a1 = Assignment("a", 1)
+    accept(router, "w1", a1)
+    from_worker(router, "w1", Token(a1, 0, 1))
+    effects = router.handle(ClientCancel("a"), 1.0)
+    assert cancels(effects) == [("w1", a1)]
+    assert outcomes(effects) == [DeliverError("a", "cancelled", "cancelled by the client")]
+    assert router.handle(ClientCancel("a"), 1.0) == []  # a second cancel is harmless
+    # the slot stays counted until the worker confirms it let go
+    assert router.statistics().workers[0].held == 1
+    assert from_worker(router, "w1", Token(a1, 1, 2)) == []
+    from_worker(router, "w1", Finished(a1, "cancelled", 1))
+    assert router.statistics().workers[0].held == 0
+    from_worker(router, "w1", Finished(a1, "cancelled", 1))
+    assert router.statistics().workers[0].held == 0
+
+
+def test_heartbeat_listing_an_unwanted_assignment_gets_it_cancelled() -> None:
+    router = Router()
+    beat(router, "w1")
+    orphan = Assignment("ghost", 3)
+    effects = beat(router, "w1", seq=2, active=(orphan,))
+    assert cancels(effects) == [("w1", orphan)]
+
+
+def test_queue_overflow_is_overloaded_and_queued_requests_run_when_a_slot_frees() -> None:
+    router = Router(RouterConfig(queue_limit=1))
+    beat(router, "w1", slots=1)
+    router.handle(Submit(request("a", max_new=1)), 0)
+    assert offers(router.handle(Submit(request("b")), 0)) == []
+    [overloaded] = outcomes(router.handle(Submit(request("c")), 0))
+    assert isinstance(overloaded, DeliverError)
+    assert overloaded.kind == "overloaded"
+    assert router.statistics().queued == 1
+    a1 = Assignment("a", 1)
+    accept(router, "w1", a1)
+    from_worker(router, "w1", Token(a1, 0, 1))
+    effects = from_worker(router, "w1", Finished(a1, "length", 1))
+    assert outcomes(effects) == [DeliverFinished("a", "length", 1)]
+    [(_, offer)] = offers(effects)
+    assert offer.assignment == Assignment("b", 1)
+
+
+def test_no_worker_and_too_long_requests_fail_at_once() -> None:
+    router = Router()
+    [none] = outcomes(router.handle(Submit(request("a")), 0))
+    assert isinstance(none, DeliverError)
+    assert none.kind == "no_worker"
+    beat(router, "w1", max_context=16)
+    [too_long] = outcomes(router.handle(Submit(request("b", max_new=20)), 0))
+    assert isinstance(too_long, DeliverError)
+    assert too_long.kind == "no_worker"
+    assert "context" in too_long.message
+
+
+def test_failed_finish_after_first_token_is_failed() -> None:
+    router = Router()
+    beat(router, "w1")
+    beat(router, "w2")
+    router.handle(Submit(request("a")), 0)
+    a1 = Assignment("a", 1)
+    accept(router, "w1", a1)
+    from_worker(router, "w1", Token(a1, 0, 1))
+    [outcome] = outcomes(from_worker(router, "w1", Finished(a1, "failed", 1)))
+    assert isinstance(outcome, DeliverError)
+    assert outcome.kind == "failed"
+
+
+def test_finish_claiming_fewer_tokens_than_delivered_is_fenced() -> None:
+    router = Router()
+    beat(router, "w1")
+    router.handle(Submit(request("a", max_new=3)), 0)
+    a1 = Assignment("a", 1)
+    accept(router, "w1", a1)
+    from_worker(router, "w1", Token(a1, 0, 1))
+    from_worker(router, "w1", Token(a1, 1, 1))
+    assert from_worker(router, "w1", Finished(a1, "eos", 1)) == []
+    assert from_worker(router, "w1", Token(a1, 2, 1)) == [DeliverToken("a", 2, 1)]
+    assert from_worker(router, "w1", Token(a1, 3, 1)) == []  # past max_new_tokens
+    assert router.statistics().fenced["over_budget"] == 2

@@ -1,0 +1,152 @@
+"""Worker scenarios, driven only through Worker.handle."""
+
+from __future__ import annotations
+
+from core.protocol import (
+    ArmTimer,
+    Assignment,
+    Cancel,
+    Decoded,
+    DecodeDone,
+    DecoderFailed,
+    Finished,
+    FromRouterMessage,
+    GenerationRequest,
+    Heartbeat,
+    HeartbeatTimer,
+    Offer,
+    OfferResult,
+    SendToRouter,
+    StartDecode,
+    StopDecode,
+    TimerFired,
+    Token,
+    WorkerEffect,
+    WorkerStart,
+)
+from core.worker import Worker, WorkerConfig
+
+
+def make(slots: int = 2, max_context: int = 64, epoch: int = 3) -> Worker:
+    return Worker(WorkerConfig("w1", epoch=epoch, slots=slots, max_context=max_context))
+
+
+def offer(worker: Worker, rid: str, attempt: int = 1, max_new: int = 4, **kw: object) -> list:
+    fields = {"worker_id": "w1", "epoch": worker.config.epoch} | kw
+    request = GenerationRequest(rid, (1, 2, 3), max_new)
+    message = Offer(assignment=Assignment(rid, attempt), request=request, **fields)  # type: ignore[arg-type]
+    return worker.handle(FromRouterMessage(message), 0.0)
+
+
+def sent(effects: list[WorkerEffect]) -> list:
+    return [e.message for e in effects if isinstance(e, SendToRouter)]
+
+
+def answer(effects: list[WorkerEffect]) -> OfferResult:
+    [result] = [m for m in sent(effects) if isinstance(m, OfferResult)]
+    return result
+
+
+def test_accepted_offer_starts_decoding() -> None:
+    worker = make()
+    effects = offer(worker, "a")
+    assert answer(effects).accepted
+    assert any(isinstance(e, StartDecode) for e in effects)
+    assert worker.free_slots == 1
+
+
+def test_duplicate_offer_gets_the_same_answer_and_no_second_slot() -> None:
+    worker = make()
+    first = answer(offer(worker, "a"))
+    again = offer(worker, "a")
+    assert answer(again) == first
+    assert not any(isinstance(e, StartDecode) for e in again)
+    assert worker.free_slots == 1
+
+
+def test_offers_for_another_worker_or_epoch_are_declined() -> None:
+    worker = make(epoch=3)
+    assert answer(offer(worker, "a", worker_id="w9")).reason == "wrong_worker"
+    assert answer(offer(worker, "b", epoch=2)).reason == "stale_epoch"
+    assert worker.free_slots == 2
+
+
+def test_admission_checks_slots_and_context() -> None:
+    worker = make(slots=1, max_context=10)
+    assert answer(offer(worker, "long", max_new=8)).reason == "context_length"
+    assert answer(offer(worker, "a", max_new=4)).accepted
+    assert answer(offer(worker, "b", max_new=4)).reason == "no_slot"
+
+
+def test_only_the_next_index_of_an_active_assignment_goes_out() -> None:
+    worker = make()
+    offer(worker, "a")
+    a1 = Assignment("a", 1)
+    assert sent(worker.handle(Decoded(a1, 0, 10), 0)) == [Token(a1, 0, 10)]
+    assert sent(worker.handle(Decoded(a1, 0, 10), 0)) == []
+    assert sent(worker.handle(Decoded(a1, 2, 12), 0)) == []
+    assert sent(worker.handle(Decoded(a1, 1, 11), 0)) == [Token(a1, 1, 11)]
+    assert worker.statistics().fenced == {"duplicate": 1, "gap": 1}
+
+
+def test_cancel_frees_the_slot_exactly_once_in_any_order() -> None:
+    worker = make()
+    offer(worker, "a")
+    a1 = Assignment("a", 1)
+    worker.handle(Decoded(a1, 0, 10), 0)
+    effects = worker.handle(FromRouterMessage(Cancel(a1)), 0)
+    assert StopDecode(a1) in effects
+    assert sent(effects) == [Finished(a1, "cancelled", 1)]
+    assert worker.free_slots == 2
+    # everything after the cancel is late and changes nothing
+    assert worker.handle(FromRouterMessage(Cancel(a1)), 0) == []
+    assert worker.handle(Decoded(a1, 1, 11), 0) == []
+    assert worker.handle(DecodeDone(a1, "eos"), 0) == []
+    assert worker.handle(DecoderFailed(), 0) == []
+    assert worker.free_slots == 2
+
+
+def test_finish_then_cancel_frees_once() -> None:
+    worker = make()
+    offer(worker, "a")
+    a1 = Assignment("a", 1)
+    worker.handle(Decoded(a1, 0, 10), 0)
+    assert sent(worker.handle(DecodeDone(a1, "eos"), 0)) == [Finished(a1, "eos", 1)]
+    assert worker.handle(FromRouterMessage(Cancel(a1)), 0) == []
+    assert worker.free_slots == 2
+
+
+def test_cancel_that_overtakes_its_offer_makes_the_offer_declined() -> None:
+    worker = make()
+    worker.handle(FromRouterMessage(Cancel(Assignment("a", 1))), 0)
+    assert answer(offer(worker, "a")).reason == "cancelled"
+    assert worker.free_slots == 2
+
+
+def test_newer_attempt_replaces_the_old_one_and_older_is_declined() -> None:
+    worker = make()
+    offer(worker, "a", attempt=2)
+    effects = offer(worker, "a", attempt=3)
+    assert Finished(Assignment("a", 2), "cancelled", 0) in sent(effects)
+    assert answer(effects).accepted
+    assert answer(offer(worker, "a", attempt=1)).reason == "stale_attempt"
+    assert worker.free_slots == 1
+
+
+def test_decoder_failure_ends_every_assignment() -> None:
+    worker = make()
+    offer(worker, "a")
+    offer(worker, "b")
+    effects = worker.handle(DecoderFailed("cuda error"), 0)
+    assert sorted(m.assignment.request_id for m in sent(effects)) == ["a", "b"]
+    assert all(isinstance(m, Finished) and m.reason == "failed" for m in sent(effects))
+    assert worker.free_slots == 2
+
+
+def test_heartbeats_carry_epoch_sequence_capacity_and_assignments() -> None:
+    worker = make(slots=2, max_context=64, epoch=3)
+    first = worker.handle(WorkerStart(), 1.0)
+    assert ArmTimer(HeartbeatTimer(), 1.5) in first
+    offer(worker, "a")
+    [hb] = sent(worker.handle(TimerFired(HeartbeatTimer()), 1.5))
+    assert hb == Heartbeat("w1", 3, 2, 2, 1, 64, (Assignment("a", 1),))
