@@ -24,3 +24,5 @@ test: lint
 
 bench: $(STAMP)
 	$(BIN)/fencepost bench router
+
+serve: bench

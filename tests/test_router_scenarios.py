@@ -338,3 +338,31 @@ def test_finish_claiming_fewer_tokens_than_delivered_is_fenced() -> None:
     assert from_worker(router, "w1", Token(a1, 2, 1)) == [DeliverToken("a", 2, 1)]
     assert from_worker(router, "w1", Token(a1, 3, 1)) == []  # past max_new_tokens
     assert router.statistics().fenced["over_budget"] == 2
+
+
+def test_heartbeat_without_a_cancelled_assignment_releases_its_slot() -> None:
+    # The worker's Finished(cancelled) was lost; its next heartbeat still shows the truth.
+    router = Router()
+    beat(router, "w1", slots=1)
+    router.handle(Submit(request("a")), 0)
+    a1 = Assignment("a", 1)
+    accept(router, "w1", a1)
+    router.handle(ClientCancel("a"), 0.1)
+    assert cancels(beat(router, "w1", now=0.2, seq=2, slots=1, active=(a1,))) == [("w1", a1)]
+    assert router.statistics().workers[0].held == 1
+    beat(router, "w1", now=0.3, seq=3, slots=1)
+    assert router.statistics().workers[0].held == 0
+
+
+def test_confirmed_assignment_missing_from_heartbeats_is_lost_after_the_timeout() -> None:
+    # The worker dropped an assignment and its Finished never arrived.
+    router = Router(RouterConfig(heartbeat_timeout_s=3.0))
+    beat(router, "w1")
+    beat(router, "w2")
+    router.handle(Submit(request("a")), 0)
+    a1 = Assignment("a", 1)
+    accept(router, "w1", a1)
+    assert offers(beat(router, "w1", now=1.0, seq=2)) == []  # maybe still in flight
+    effects = beat(router, "w1", now=4.0, seq=3)
+    [(worker, offer)] = offers(effects)
+    assert (worker, offer.assignment.attempt) == ("w2", 2)
