@@ -96,6 +96,18 @@ class Cancel(WireMessage, frozen=True):
     assignment: Assignment
 
 
+class Resend(WireMessage, frozen=True):
+    """Router -> worker: send the assignment's tokens again from `from_index` on.
+
+    The router drops every token that is not the next one it expects, so a
+    token lost or overtaken on the wire leaves a gap; this asks for the rest
+    again (and for the Finished, if the assignment has already ended).
+    """
+
+    assignment: Assignment
+    from_index: Count
+
+
 class OfferResult(WireMessage, frozen=True):
     """Worker -> router: the answer to an offer. A duplicate offer gets the same answer."""
 
@@ -112,6 +124,17 @@ class Token(WireMessage, frozen=True):
     assignment: Assignment
     index: Count
     token_id: TokenId
+
+
+class TokenRun(WireMessage, frozen=True):
+    """Worker -> router: consecutive tokens from `start_index`, the answer to a Resend.
+
+    One message, so the run arrives whole even on a link that reorders.
+    """
+
+    assignment: Assignment
+    start_index: Count
+    token_ids: tuple[TokenId, ...]
 
 
 class Finished(WireMessage, frozen=True):
@@ -134,9 +157,9 @@ class Heartbeat(WireMessage, frozen=True):
     active: tuple[Assignment, ...] = ()
 
 
-ToWorker = Offer | Cancel
-FromWorker = OfferResult | Token | Finished | Heartbeat
-AnyWireMessage = Offer | Cancel | OfferResult | Token | Finished | Heartbeat
+ToWorker = Offer | Cancel | Resend
+FromWorker = OfferResult | Token | TokenRun | Finished | Heartbeat
+AnyWireMessage = Offer | Cancel | Resend | OfferResult | Token | TokenRun | Finished | Heartbeat
 
 
 # --- timers: a key names a timer; arming a key again replaces its deadline ---

@@ -56,12 +56,14 @@ from core.protocol import (
     Offer,
     OfferResult,
     OfferTimer,
+    Resend,
     RouterEffect,
     RouterEvent,
     SendToWorker,
     Submit,
     TimerFired,
     Token,
+    TokenRun,
 )
 
 
@@ -131,6 +133,7 @@ FenceReason = Literal[
 class RouterConfig(Struct, frozen=True):
     offer_timeout_s: float = 2.0
     heartbeat_timeout_s: float = 3.0
+    resend_interval_s: float = 0.1  # at most one Resend per request this often
     max_attempts: int = 3
     queue_limit: int = 256
 
@@ -152,6 +155,7 @@ class RouterStatistics(Struct, frozen=True):
     fenced: dict[str, int]
     outcomes: dict[str, int]
     tokens_delivered: int
+    resends_requested: int
 
 
 @dataclass(slots=True)
@@ -164,6 +168,7 @@ class _Request:
     delivered: int = 0
     tried: set[str] = field(default_factory=set)
     finish: Finished | None = None  # a finish that arrived before all its tokens
+    resend_at: float | None = None  # when the last Resend for it was sent
 
 
 @dataclass(slots=True)
@@ -197,6 +202,7 @@ class Router:
         self._fenced: Counter[str] = Counter()
         self._outcomes: Counter[str] = Counter()
         self._tokens_delivered = 0
+        self._resends = 0
         self._now = 0.0  # the `now` of the event being handled; never read from a clock
 
     # --- the one entry point ---
@@ -207,7 +213,8 @@ class Router:
         match event:
             case FromWorkerMessage(worker_id, Token() as token):
                 self._on_token(worker_id, token, out)
-                return out  # the hot path: a token never frees a slot early
+            case FromWorkerMessage(worker_id, TokenRun() as run):
+                self._on_token_run(worker_id, run, out)
             case FromWorkerMessage(worker_id, Finished() as finished):
                 self._on_finished(worker_id, finished, out)
             case FromWorkerMessage(worker_id, OfferResult() as result):
@@ -249,7 +256,12 @@ class Router:
             fenced=dict(self._fenced),
             outcomes=dict(self._outcomes),
             tokens_delivered=self._tokens_delivered,
+            resends_requested=self._resends,
         )
+
+    def slot_usage(self) -> list[tuple[str, int, int]]:
+        """(worker id, slots the router counts as taken, slots) for each known worker."""
+        return [(w.worker_id, len(w.holds), w.slots) for w in self._workers.values()]
 
     # --- client side ---
 
@@ -282,20 +294,41 @@ class Router:
 
     def _on_token(self, worker_id: str, token: Token, out: list[RouterEffect]) -> None:
         req = self._fence(worker_id, token.assignment)
-        if req is None:
+        if req is not None and self._is_next(req, token.index, token.index + 1, out):
+            self._deliver(req, token.token_id, out)
+
+    def _on_token_run(self, worker_id: str, run: TokenRun, out: list[RouterEffect]) -> None:
+        req = self._fence(worker_id, run.assignment)
+        end = run.start_index + len(run.token_ids)
+        if req is None or not self._is_next(req, run.start_index, end, out):
             return
-        if token.index != req.delivered:
-            self._fenced["duplicate" if token.index < req.delivered else "gap"] += 1
-            return
-        if token.index >= req.request.max_new_tokens:
+        for index in range(req.delivered, end):
+            if req.phase in TERMINAL:
+                return  # a pending Finished completed it; the rest is over its count
+            self._deliver(req, run.token_ids[index - run.start_index], out)
+
+    def _is_next(self, req: _Request, start: int, end: int, out: list[RouterEffect]) -> bool:
+        """The fence for output: does [start, end) contain the next index, within budget?"""
+        if end <= req.delivered:
+            self._fenced["duplicate"] += 1
+            return False
+        if start > req.delivered:
+            self._fenced["gap"] += 1  # dropped; everything from the gap on is asked again
+            self._ask_resend(req, out)
+            return False
+        if req.delivered >= req.request.max_new_tokens:
             self._fenced["over_budget"] += 1
-            return
+            return False
+        return True
+
+    def _deliver(self, req: _Request, token_id: int, out: list[RouterEffect]) -> None:
+        """Deliver the next token (the caller has checked it is the next one)."""
         if req.phase is P.OFFERED:
             self._accept(req, out)
         self._move(req, "token")
+        out.append(DeliverToken(req.request.request_id, req.delivered, token_id))
         req.delivered += 1
         self._tokens_delivered += 1
-        out.append(DeliverToken(req.request.request_id, token.index, token.token_id))
         if req.finish is not None and req.delivered == req.finish.completion_tokens:
             self._complete(req, req.finish, out)
 
@@ -435,17 +468,36 @@ class Router:
             else:
                 hold.confirmed = True
                 hold.missing_since = None
+                req = self._requests[hold.request_id]
+                if req.phase is P.OFFERED:  # its OfferResult was lost or is late
+                    self._accept(req, out)
         for assignment, hold in list(worker.holds.items()):
             if assignment in listed or not hold.confirmed:
                 continue
             if hold.draining:
                 del worker.holds[assignment]  # the worker let it go
-            elif hold.missing_since is None:
-                hold.missing_since = self._now  # its Finished may still be in flight
-            elif self._now - hold.missing_since >= self.config.heartbeat_timeout_s:
+            else:
+                # The worker has let go of it: its last tokens or Finished are in
+                # flight, or lost. Ask again; give up once it stays missing.
                 req = self._requests[hold.request_id]
-                self._release(req, out)
-                self._attempt_failed(req, "worker_lost", "worker dropped the assignment", out)
+                if hold.missing_since is None:
+                    hold.missing_since = self._now
+                if self._now - hold.missing_since < self.config.heartbeat_timeout_s:
+                    self._ask_resend(req, out)
+                else:
+                    self._release(req, out)
+                    self._attempt_failed(req, "worker_lost", "worker dropped the assignment", out)
+
+    def _ask_resend(self, req: _Request, out: list[RouterEffect]) -> None:
+        """Ask the worker for everything from the next expected index (rate-limited)."""
+        if req.active is None or req.worker_id is None:
+            return
+        last = req.resend_at
+        if last is not None and self._now - last < self.config.resend_interval_s:
+            return
+        req.resend_at = self._now
+        self._resends += 1
+        out.append(SendToWorker(req.worker_id, Resend(req.active, req.delivered)))
 
     def _arm_liveness(self, worker: _Worker, out: list[RouterEffect]) -> None:
         worker.timer_deadline = worker.expires_at
@@ -520,7 +572,10 @@ class Router:
             self._give_up(req, kind, message, out)  # the seed contract: no mid-stream retry
             return
         if req.attempt >= self.config.max_attempts:
-            self._give_up(req, kind, f"{message} (after {req.attempt} attempts)", out)
+            # Nothing reached the client, so no worker was lost *to it*: no worker could serve it.
+            self._give_up(
+                req, "no_worker", f"{message} (gave up after {req.attempt} attempts)", out
+            )
             return
         if not self._fitting_workers(req):
             self._give_up(req, "no_worker", self._no_worker_message(req), out)

@@ -26,7 +26,7 @@ counted.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from msgspec import Struct
 
@@ -45,11 +45,13 @@ from core.protocol import (
     HeartbeatTimer,
     Offer,
     OfferResult,
+    Resend,
     SendToRouter,
     StartDecode,
     StopDecode,
     TimerFired,
     Token,
+    TokenRun,
     WorkerEffect,
     WorkerEvent,
     WorkerStart,
@@ -67,6 +69,7 @@ class WorkerConfig(Struct, frozen=True):
     max_context: int = 2048
     heartbeat_interval_s: float = 0.5
     remembered_answers: int = 4096  # bound on the duplicate-offer table
+    retained_outputs: int = 256  # finished outputs kept to answer Resend
 
 
 class WorkerStatistics(Struct, frozen=True):
@@ -83,7 +86,7 @@ class WorkerStatistics(Struct, frozen=True):
 @dataclass(slots=True)
 class _Active:
     max_new_tokens: int
-    emitted: int = 0
+    tokens: list[int] = field(default_factory=list)  # everything sent, for Resend
 
 
 class Worker:
@@ -91,6 +94,7 @@ class Worker:
         self.config = config
         self._active: dict[Assignment, _Active] = {}
         self._answers: OrderedDict[Assignment, OfferResult] = OrderedDict()
+        self._retained: OrderedDict[Assignment, tuple[list[int], Finished]] = OrderedDict()
         self._seq = 0
         self._fenced: Counter[str] = Counter()
         self._declined: Counter[str] = Counter()
@@ -115,6 +119,8 @@ class Worker:
                 self._on_offer(offer, out)
             case FromRouterMessage(Cancel(assignment)):
                 self._on_cancel(assignment, out)
+            case FromRouterMessage(Resend(assignment, from_index)):
+                self._on_resend(assignment, from_index, out)
             case TimerFired(HeartbeatTimer()) | WorkerStart():
                 out.append(SendToRouter(self._heartbeat()))
                 deadline = now + self.config.heartbeat_interval_s
@@ -144,14 +150,30 @@ class Worker:
         active = self._active.get(assignment)
         if active is None:
             self._fenced["late_token"] += 1
-        elif index != active.emitted:
-            self._fenced["duplicate" if index < active.emitted else "gap"] += 1
+        elif index != len(active.tokens):
+            self._fenced["duplicate" if index < len(active.tokens) else "gap"] += 1
         elif index >= active.max_new_tokens:
             self._fenced["over_budget"] += 1
         else:
-            active.emitted += 1
+            active.tokens.append(token_id)
             self._tokens_sent += 1
             out.append(SendToRouter(Token(assignment, index, token_id)))
+
+    def _on_resend(self, assignment: Assignment, from_index: int, out: list[WorkerEffect]) -> None:
+        active = self._active.get(assignment)
+        finished: Finished | None = None
+        if active is not None:
+            tokens = active.tokens
+        elif (kept := self._retained.get(assignment)) is not None:
+            tokens, finished = kept
+        else:
+            self._fenced["resend_unknown"] += 1
+            return
+        if from_index < len(tokens):
+            run = TokenRun(assignment, from_index, tuple(tokens[from_index:]))
+            out.append(SendToRouter(run))
+        if finished is not None:
+            out.append(SendToRouter(finished))
 
     def _on_offer(self, offer: Offer, out: list[WorkerEffect]) -> None:
         assignment = offer.assignment
@@ -198,7 +220,12 @@ class Worker:
         active = self._active.pop(assignment)
         if reason == "cancelled":  # otherwise the decoder has already stopped
             out.append(StopDecode(assignment))
-        out.append(SendToRouter(Finished(assignment, reason, active.emitted)))
+        finished = Finished(assignment, reason, len(active.tokens))
+        out.append(SendToRouter(finished))
+        if reason in ("eos", "length"):
+            self._retained[assignment] = (active.tokens, finished)
+            while len(self._retained) > self.config.retained_outputs:
+                self._retained.popitem(last=False)
 
     def _decline(self, assignment: Assignment, reason: DeclineReason) -> OfferResult:
         self._declined[reason] += 1

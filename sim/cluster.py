@@ -15,6 +15,7 @@ always be a prefix of reference_output().
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -24,6 +25,7 @@ from core.protocol import (
     ClientCancel,
     Decoded,
     DecodeDone,
+    DecoderFailed,
     DeliverError,
     DeliverFinished,
     DeliverToken,
@@ -51,6 +53,7 @@ from core.worker import Worker, WorkerConfig
 
 VOCAB = 50_000
 EOS_TOKEN = 0
+EOS_ONE_IN = 89  # the fake decoder ends a sequence with probability 1/89 per token
 _MASK = (1 << 64) - 1
 
 
@@ -61,7 +64,7 @@ def reference_token(request: GenerationRequest, index: int) -> int:
         mix = ((mix ^ token) * 0x100000001B3) & _MASK
     mix = ((mix ^ index) * 0xFF51AFD7ED558CCD) & _MASK
     mix ^= mix >> 29
-    return EOS_TOKEN if mix % 17 == 0 else 1 + mix % (VOCAB - 1)
+    return EOS_TOKEN if mix % EOS_ONE_IN == 0 else 1 + mix % (VOCAB - 1)
 
 
 def reference_output(request: GenerationRequest) -> tuple[list[int], str]:
@@ -94,14 +97,19 @@ class ClientStream:
     """Everything one client received, in order."""
 
     request: GenerationRequest
+    reference: list[int]
+    reference_reason: str
     tokens: list[int] = field(default_factory=list)
     outcome: DeliverFinished | DeliverError | None = None
     cancel_requested: bool = False
 
 
 @dataclass(slots=True)
-class _Decode:
+class Decode:
+    """One assignment running on a fake decoder."""
+
     request: GenerationRequest
+    started_at: float
     next_index: int = 0
 
 
@@ -113,8 +121,12 @@ class Cluster:
         slots: int = 2,
         max_context: int = 4096,
         heartbeat_interval_s: float = 0.5,
+        on_send: Callable[[Packet], None] | None = None,
+        trace: Callable[[str], None] | None = None,
     ) -> None:
         self.now = 0.0
+        self.on_send = on_send or self.in_flight_append
+        self.trace = trace
         self.router = Router(router_config)
         self.router_timers: dict[TimerKey, float] = {}
         self.slots = slots
@@ -122,8 +134,10 @@ class Cluster:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.workers: dict[str, Worker] = {}
         self.worker_timers: dict[str, dict[TimerKey, float]] = {}
-        self.decodes: dict[str, dict[Assignment, _Decode]] = {}
-        self.down: set[str] = set()
+        self.decodes: dict[str, dict[Assignment, Decode]] = {}
+        self.down: set[str] = set()  # crashed: events to them vanish
+        self.paused: set[str] = set()  # stalled: their timers wait until they resume
+        self.decoder_failures = 0
         self.in_flight: list[Packet] = []
         self.streams: dict[str, ClientStream] = {}
         self._packet_ids = 0
@@ -133,11 +147,11 @@ class Cluster:
 
     # --- driving ---
 
-    def start_worker(self, worker_id: str, epoch: int) -> None:
+    def start_worker(self, worker_id: str, epoch: int, slots: int | None = None) -> None:
         config = WorkerConfig(
             worker_id,
             epoch=epoch,
-            slots=self.slots,
+            slots=self.slots if slots is None else slots,
             max_context=self.max_context,
             heartbeat_interval_s=self.heartbeat_interval_s,
         )
@@ -147,6 +161,12 @@ class Cluster:
         self.down.discard(worker_id)
         self._run_worker(worker_id, WorkerStart())
 
+    def fail_decoder(self, worker_id: str) -> None:
+        """The worker's decoder breaks: every running assignment there fails."""
+        self.decoder_failures += 1
+        self.decodes[worker_id] = {}
+        self._run_worker(worker_id, DecoderFailed("injected decoder failure"))
+
     def crash_worker(self, worker_id: str) -> None:
         """The process dies: its state, timers and decodes are gone."""
         self.down.add(worker_id)
@@ -154,10 +174,12 @@ class Cluster:
         self.decodes[worker_id] = {}
 
     def restart_worker(self, worker_id: str) -> None:
-        self.start_worker(worker_id, self.workers[worker_id].config.epoch + 1)
+        old = self.workers[worker_id].config
+        self.start_worker(worker_id, old.epoch + 1, old.slots)
 
     def submit(self, request: GenerationRequest) -> None:
-        self.streams[request.request_id] = ClientStream(request)
+        reference, reason = reference_output(request)
+        self.streams[request.request_id] = ClientStream(request, reference, reason)
         self._run_router(Submit(request))
 
     def cancel(self, request_id: str) -> None:
@@ -166,7 +188,10 @@ class Cluster:
 
     def deliver(self, position: int) -> None:
         """Deliver the in-flight packet at `position` (any order: the network reorders)."""
-        packet = self.in_flight.pop(position)
+        self.deliver_packet(self.in_flight.pop(position))
+
+    def deliver_packet(self, packet: Packet) -> None:
+        """Hand a packet to its destination; one sent to a crashed worker vanishes."""
         if packet.to is None:
             message = cast(FromWorker, packet.message)
             self._run_router(FromWorkerMessage(packet.source, message))
@@ -198,7 +223,7 @@ class Cluster:
     def next_deadline(self) -> float | None:
         deadlines = list(self.router_timers.values())
         for worker_id, timers in self.worker_timers.items():
-            if worker_id not in self.down:
+            if worker_id not in self.down and worker_id not in self.paused:
                 deadlines.extend(timers.values())
         return min(deadlines, default=None)
 
@@ -218,21 +243,27 @@ class Cluster:
         for worker_id, worker in self.workers.items():
             if worker_id not in self.down and worker.free_slots < 0:
                 raise InvariantViolation(f"{worker_id} over-committed its slots")
-        for view in self.router.statistics().workers:
-            if view.held > view.slots:
-                raise InvariantViolation(f"router over-committed {view.worker_id}")
+        for worker_id, held, slots in self.router.slot_usage():
+            if held > slots:
+                raise InvariantViolation(f"router over-committed {worker_id}")
 
     def unfinished(self) -> list[str]:
         return [rid for rid, s in self.streams.items() if s.outcome is None]
 
     # --- effect execution ---
 
+    def in_flight_append(self, packet: Packet) -> None:
+        """The default network: hold every packet until the caller delivers it."""
+        self.in_flight.append(packet)
+
     def _send(self, source: str, to: str | None, message: ToWorker | FromWorker) -> None:
         self._packet_ids += 1
-        self.in_flight.append(Packet(self._packet_ids, source, to, message))
+        self.on_send(Packet(self._packet_ids, source, to, message))
 
     def _run_router(self, event: RouterEvent) -> None:
         effects = self.router.handle(event, self.now)
+        if self.trace is not None:
+            self.trace(f"{self.now:9.4f} router  {_show(event)} -> {_show_all(effects)}")
         for effect in effects:
             self._apply_router_effect(effect)
 
@@ -256,7 +287,7 @@ class Cluster:
         if stream.outcome is not None:
             self.violations.append(f"{rid}: delivery {effect!r} after terminal {stream.outcome!r}")
             return
-        reference, reason = reference_output(stream.request)
+        reference = stream.reference
         match effect:
             case DeliverToken(_, index, token_id):
                 if index != len(stream.tokens):
@@ -265,20 +296,36 @@ class Cluster:
                     self.violations.append(f"{rid}: token {token_id} at {index} is foreign")
                 stream.tokens.append(token_id)
             case DeliverFinished(_, finish_reason, count):
-                if stream.tokens != reference or finish_reason != reason:
+                if stream.tokens != reference or finish_reason != stream.reference_reason:
                     self.violations.append(f"{rid}: finished early or wrong: {effect!r}")
                 if count != len(stream.tokens):
                     self.violations.append(f"{rid}: usage {count} != {len(stream.tokens)}")
                 stream.outcome = effect
             case DeliverError(_, kind, _):
-                if kind == "cancelled" and not stream.cancel_requested:
-                    self.violations.append(f"{rid}: cancelled without a client cancel")
+                if not self._error_allowed(stream, kind):
+                    self.violations.append(f"{rid}: error {kind} after {len(stream.tokens)} tokens")
                 stream.outcome = effect
+
+    def _error_allowed(self, stream: ClientStream, kind: str) -> bool:
+        """The contract: which error outcomes a client may see, and when."""
+        started = bool(stream.tokens)
+        match kind:
+            case "cancelled":
+                return stream.cancel_requested
+            case "no_worker" | "overloaded":
+                return not started  # refused or given up before any output
+            case "worker_lost":
+                return started  # before the first token the router must fail over
+            case "failed":
+                return started and self.decoder_failures > 0
+        return False
 
     def _run_worker(self, worker_id: str, event: WorkerEvent) -> None:
         if worker_id in self.down:
             return
         effects = self.workers[worker_id].handle(event, self.now)
+        if self.trace is not None:
+            self.trace(f"{self.now:9.4f} {worker_id:7} {_show(event)} -> {_show_all(effects)}")
         for effect in effects:
             self._apply_worker_effect(worker_id, effect)
 
@@ -287,7 +334,7 @@ class Cluster:
             case SendToRouter(message):
                 self._send(worker_id, None, message)
             case StartDecode(assignment, request):
-                self.decodes[worker_id][assignment] = _Decode(request)
+                self.decodes[worker_id][assignment] = Decode(request, self.now)
             case StopDecode(assignment):
                 self.decodes[worker_id].pop(assignment, None)
             case ArmTimer(key, deadline):
@@ -301,9 +348,39 @@ class Cluster:
                 del self.router_timers[key]
                 self._run_router(TimerFired(key))
         for worker_id, timers in self.worker_timers.items():
-            if worker_id in self.down:
+            if worker_id in self.down or worker_id in self.paused:
                 continue
             for key, deadline in sorted(timers.items(), key=lambda kv: kv[1]):
                 if deadline <= self.now and timers.get(key) == deadline:
                     del timers[key]
                     self._run_worker(worker_id, TimerFired(key))
+
+
+def _show(item: object) -> str:
+    """A compact, stable rendering of an event or effect for traces."""
+    text = repr(item)
+    for long, short in _ABBREVIATIONS:
+        text = text.replace(long, short)
+    return text
+
+
+def _show_all(effects: list[RouterEffect] | list[WorkerEffect]) -> str:
+    return "[" + ", ".join(_show(e) for e in effects) + "]"
+
+
+_ABBREVIATIONS = (
+    ("Assignment(request_id=", "A("),
+    ("FromWorkerMessage(worker_id=", "From("),
+    ("FromRouterMessage(message=", "From("),
+    ("SendToWorker(worker_id=", "Send("),
+    ("SendToRouter(message=", "Send("),
+    ("GenerationRequest(request_id=", "Req("),
+    ("sampling=Sampling(temperature=0.0, top_p=1.0, seed=", "seed=("),
+    (", stop_token_ids=()", ""),
+    ("prompt_token_ids=", "prompt="),
+    ("max_new_tokens=", "max_new="),
+    ("assignment=", ""),
+    ("attempt=", ""),
+    ("request=", ""),
+    ("message=", ""),
+)

@@ -33,6 +33,7 @@ from core.protocol import (
     HeartbeatTimer,
     Offer,
     OfferResult,
+    Resend,
     RouterEffect,
     SendToRouter,
     SendToWorker,
@@ -42,6 +43,7 @@ from core.protocol import (
     TimerFired,
     TimerKey,
     Token,
+    TokenRun,
     WorkerEffect,
 )
 from core.router import Router, RouterConfig
@@ -98,9 +100,12 @@ class RouterAlone(RuleBasedStateMachine):
             case DeliverToken(rid, index, token_id):
                 assert rid not in self.terminal, "token after the terminal outcome"
                 assert index == len(self.delivered[rid]), "out-of-order delivery"
-                assert isinstance(cause, Token), "a token delivered without a Token message"
+                assert isinstance(cause, Token | TokenRun), "a token delivered without output"
                 assert cause.assignment == self.latest[rid], "a stale attempt's token delivered"
-                assert (cause.index, cause.token_id) == (index, token_id)
+                if isinstance(cause, Token):
+                    assert (cause.index, cause.token_id) == (index, token_id)
+                else:
+                    assert cause.token_ids[index - cause.start_index] == token_id
                 self.delivered[rid].append(token_id)
         if isinstance(effect, DeliverFinished | DeliverError):
             rid = effect.request_id
@@ -108,7 +113,7 @@ class RouterAlone(RuleBasedStateMachine):
             self.terminal[rid] = effect
             if isinstance(effect, DeliverFinished):
                 assert effect.completion_tokens == len(self.delivered[rid])
-                assert isinstance(cause, Token | Finished), "completed without worker output"
+                assert isinstance(cause, Token | TokenRun | Finished), "completed without output"
                 assert cause.assignment == self.latest[rid], "a stale attempt completed it"
 
     @initialize()
@@ -164,6 +169,13 @@ class RouterAlone(RuleBasedStateMachine):
         self.run(FromWorkerMessage(worker, message), message)
 
     @precondition(lambda self: self.offered)
+    @rule(data=st.data(), start=st.integers(0, 5), length=st.integers(0, 4))
+    def token_run(self, data: st.DataObject, start: int, length: int) -> None:
+        assignment, worker = self.pick_assignment(data)
+        message = TokenRun(assignment, start, tuple(range(start, start + length)))
+        self.run(FromWorkerMessage(worker, message), message)
+
+    @precondition(lambda self: self.offered)
     @rule(
         data=st.data(),
         reason=st.sampled_from(["eos", "length", "failed", "cancelled"]),
@@ -204,15 +216,21 @@ class WorkerAlone(RuleBasedStateMachine):
 
     def run(self, event: object) -> list[WorkerEffect]:
         effects = self.worker.handle(event, 0.0)  # type: ignore[arg-type]
+        resend = isinstance(event, FromRouterMessage) and isinstance(event.message, Resend)
         for effect in effects:
             match effect:
+                case SendToRouter(TokenRun(assignment, start, token_ids)):
+                    assert resend, "a token run that nobody asked for"
+                    assert list(token_ids) == self.sent_tokens[assignment][start:]
+                case SendToRouter(Finished() as again) if resend:
+                    assert self.finished[again.assignment] == again, "a resent Finished changed"
                 case StartDecode(assignment, _):
                     assert assignment not in self.started, "decoding started twice"
                     self.started.add(assignment)
-                case SendToRouter(Token(assignment, index, _)):
+                case SendToRouter(Token(assignment, index, token_id)):
                     assert assignment in self.started and assignment not in self.finished
                     assert index == len(self.sent_tokens[assignment]), "token index skipped"
-                    self.sent_tokens[assignment].append(index)
+                    self.sent_tokens[assignment].append(token_id)
                 case SendToRouter(Finished(assignment, _, count) as done):
                     assert assignment in self.started, "finished an assignment never started"
                     assert assignment not in self.finished, "a slot freed twice"
@@ -244,7 +262,11 @@ class WorkerAlone(RuleBasedStateMachine):
 
     @rule(assignment=assignments, index=st.integers(0, 6))
     def decoded(self, assignment: Assignment, index: int) -> None:
-        self.run(Decoded(assignment, index, 7))
+        self.run(Decoded(assignment, index, 100 * assignment.attempt + index))
+
+    @rule(assignment=assignments, from_index=st.integers(0, 7))
+    def resend(self, assignment: Assignment, from_index: int) -> None:
+        self.run(FromRouterMessage(Resend(assignment, from_index)))
 
     @rule(assignment=assignments, reason=st.sampled_from(["eos", "length", "failed"]))
     def decode_done(self, assignment: Assignment, reason: str) -> None:

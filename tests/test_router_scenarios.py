@@ -18,11 +18,13 @@ from core.protocol import (
     Offer,
     OfferResult,
     OfferTimer,
+    Resend,
     RouterEffect,
     SendToWorker,
     Submit,
     TimerFired,
     Token,
+    TokenRun,
 )
 from core.router import Router, RouterConfig
 
@@ -92,7 +94,8 @@ def test_duplicate_and_gap_are_fenced_while_the_next_index_is_delivered() -> Non
     accept(router, "w1", a1)
     assert from_worker(router, "w1", Token(a1, 0, 100)) == [DeliverToken("a", 0, 100)]
     assert from_worker(router, "w1", Token(a1, 0, 100)) == []  # duplicate
-    assert from_worker(router, "w1", Token(a1, 2, 102)) == []  # gap
+    # a gap is not delivered; the router asks again from the first missing index
+    assert from_worker(router, "w1", Token(a1, 2, 102)) == [SendToWorker("w1", Resend(a1, 1))]
     assert from_worker(router, "w1", Token(a1, 1, 101)) == [DeliverToken("a", 1, 101)]
     fenced = router.statistics().fenced
     assert fenced["duplicate"] == 1
@@ -366,3 +369,55 @@ def test_confirmed_assignment_missing_from_heartbeats_is_lost_after_the_timeout(
     effects = beat(router, "w1", now=4.0, seq=3)
     [(worker, offer)] = offers(effects)
     assert (worker, offer.assignment.attempt) == ("w2", 2)
+
+
+def test_a_token_run_delivers_only_what_is_missing_and_completes_a_pending_finish() -> None:
+    router = Router()
+    beat(router, "w1")
+    router.handle(Submit(request("a", max_new=5)), 0)
+    a1 = Assignment("a", 1)
+    accept(router, "w1", a1)
+    from_worker(router, "w1", Token(a1, 0, 10))
+    from_worker(router, "w1", Token(a1, 1, 11))
+    assert from_worker(router, "w1", Finished(a1, "length", 5)) == []
+    assert from_worker(router, "w1", TokenRun(a1, 3, (13, 14))) == [
+        SendToWorker("w1", Resend(a1, 2))
+    ]
+    effects = from_worker(router, "w1", TokenRun(a1, 1, (11, 12, 13, 14)))
+    assert effects == [
+        DeliverToken("a", 2, 12),
+        DeliverToken("a", 3, 13),
+        DeliverToken("a", 4, 14),
+        DeliverFinished("a", "length", 5),
+    ]
+
+
+def test_resends_are_rate_limited() -> None:
+    router = Router(RouterConfig(resend_interval_s=0.5))
+    beat(router, "w1")
+    router.handle(Submit(request("a")), 0)
+    a1 = Assignment("a", 1)
+    accept(router, "w1", a1)
+    assert from_worker(router, "w1", Token(a1, 3, 1), now=1.0) == [
+        SendToWorker("w1", Resend(a1, 0))
+    ]
+    assert from_worker(router, "w1", Token(a1, 4, 1), now=1.2) == []
+    assert from_worker(router, "w1", Token(a1, 5, 1), now=1.5) == [
+        SendToWorker("w1", Resend(a1, 0))
+    ]
+    assert router.statistics().resends_requested == 2
+
+
+def test_missing_finished_is_asked_for_again_before_the_attempt_is_given_up() -> None:
+    router = Router(RouterConfig(heartbeat_timeout_s=3.0))
+    beat(router, "w1")
+    router.handle(Submit(request("a")), 0)
+    a1 = Assignment("a", 1)
+    accept(router, "w1", a1)
+    from_worker(router, "w1", Token(a1, 0, 1))
+    # the worker finished (no longer lists it) but its last token and Finished were lost
+    assert beat(router, "w1", now=1.0, seq=2) == [SendToWorker("w1", Resend(a1, 1))]
+    assert from_worker(router, "w1", TokenRun(a1, 1, (2,))) == [DeliverToken("a", 1, 2)]
+    assert outcomes(from_worker(router, "w1", Finished(a1, "eos", 2))) == [
+        DeliverFinished("a", "eos", 2)
+    ]

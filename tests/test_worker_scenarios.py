@@ -16,11 +16,13 @@ from core.protocol import (
     HeartbeatTimer,
     Offer,
     OfferResult,
+    Resend,
     SendToRouter,
     StartDecode,
     StopDecode,
     TimerFired,
     Token,
+    TokenRun,
     WorkerEffect,
     WorkerStart,
 )
@@ -150,3 +152,20 @@ def test_heartbeats_carry_epoch_sequence_capacity_and_assignments() -> None:
     offer(worker, "a")
     [hb] = sent(worker.handle(TimerFired(HeartbeatTimer()), 1.5))
     assert hb == Heartbeat("w1", 3, 2, 2, 1, 64, (Assignment("a", 1),))
+
+
+def test_resend_repeats_the_tokens_and_the_finish_as_one_run() -> None:
+    worker = make()
+    offer(worker, "a")
+    a1 = Assignment("a", 1)
+    for index, token in enumerate((10, 11, 12)):
+        worker.handle(Decoded(a1, index, token), 0)
+    assert sent(worker.handle(FromRouterMessage(Resend(a1, 1)), 0)) == [TokenRun(a1, 1, (11, 12))]
+    worker.handle(DecodeDone(a1, "eos"), 0)
+    assert sent(worker.handle(FromRouterMessage(Resend(a1, 3)), 0)) == [Finished(a1, "eos", 3)]
+    assert sent(worker.handle(FromRouterMessage(Resend(a1, 0)), 0)) == [
+        TokenRun(a1, 0, (10, 11, 12)),
+        Finished(a1, "eos", 3),
+    ]
+    assert worker.free_slots == 2
+    assert worker.handle(FromRouterMessage(Resend(Assignment("zz", 1), 0)), 0) == []

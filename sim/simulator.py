@@ -1,0 +1,483 @@
+"""Deterministic simulation of a fencepost cluster under swarm-drawn faults.
+
+One root seed decides everything: the swarm (which fault kinds are on and how
+often they strike), the clients (arrivals, prompts, cancels), the network
+(per-message delays, so messages reorder) and the fault schedule. Each random
+stream is a stdlib Random seeded from (root seed, stream name), so changing
+how one stream is used does not shift the others. Virtual time jumps from one
+scheduled event to the next; there is no wall clock and no trio here.
+
+A run has two phases. During the fault phase every fault kind the swarm
+switched on may strike. At `fault_end_s` everything heals (crashed workers
+restart, stalled ones resume, partitions close, the network stops dropping,
+duplicating and delaying extra) and the liveness phase begins: every request
+must reach its terminal outcome and every slot must come back within
+`liveness_budget_s` of virtual time. Safety oracles (sim.cluster) run after
+every single event in both phases.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import math
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from random import Random
+
+from core.protocol import DeliverError, DeliverFinished, GenerationRequest, Sampling
+from core.router import RouterConfig
+from sim.cluster import VOCAB, Cluster, InvariantViolation, Packet
+
+FAULT_KINDS = (
+    "delay_spread",  # wide per-message delays: heavy reordering
+    "duplicate",
+    "loss",
+    "late",  # an occasional message held back for seconds
+    "replay",  # an old message sent again later
+    "partition",  # one-way or two-way, heals
+    "crash",  # worker process dies, restarts at a new epoch
+    "stall",  # worker stops (no heartbeats, no decoding), resumes same epoch
+    "slow",  # some workers decode several times slower
+    "decoder_failure",  # a worker's decoder breaks: its assignments fail
+    "client_cancel",  # clients cancel or disconnect at random moments
+)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """The shape of a run; the seed fills in everything else."""
+
+    workers: int = 3
+    requests: int = 20
+    mean_new_tokens: int = 50
+    arrival_window_s: float = 6.0
+    fault_end_s: float = 12.0
+    liveness_budget_s: float = 60.0
+    heartbeat_interval_s: float = 0.25
+    router: RouterConfig = field(
+        default_factory=lambda: RouterConfig(
+            offer_timeout_s=0.5, heartbeat_timeout_s=1.0, max_attempts=4, queue_limit=64
+        )
+    )
+
+
+@dataclass(frozen=True)
+class Swarm:
+    """The fault mix one seed drew: kinds switched on and their rates."""
+
+    enabled: frozenset[str]
+    delay_min_s: float
+    delay_max_s: float
+    duplicate_rate: float
+    loss_rate: float
+    late_rate: float
+    replay_rate: float
+    cancel_rate: float
+    partitions: int
+    crashes: int
+    stalls: int
+    decoder_failures: int
+    slowness: tuple[float, ...]
+    slots: tuple[int, ...]
+    step_s: float
+    prefill_s_per_token: float
+
+
+def draw_swarm(rng: Random, scenario: Scenario) -> Swarm:
+    enabled = frozenset(kind for kind in FAULT_KINDS if rng.random() < 0.5)
+
+    def rate(kind: str, top: float) -> float:
+        # An enabled kind sometimes still draws zero: rare combinations get explored.
+        return 0.0 if kind not in enabled or rng.random() < 0.1 else rng.uniform(0.0, top)
+
+    def count(kind: str, top: int) -> int:
+        return rng.randint(1, top) if kind in enabled else 0
+
+    spread = "delay_spread" in enabled
+    n = scenario.workers
+    return Swarm(
+        enabled=enabled,
+        delay_min_s=0.0005,
+        delay_max_s=rng.uniform(0.02, 0.3) if spread else 0.002,
+        duplicate_rate=rate("duplicate", 0.2),
+        loss_rate=rate("loss", 0.01),
+        late_rate=rate("late", 0.05),
+        replay_rate=rate("replay", 0.05),
+        cancel_rate=rate("client_cancel", 0.4),
+        partitions=count("partition", 3),
+        crashes=count("crash", 2),
+        stalls=count("stall", 2),
+        decoder_failures=count("decoder_failure", 1),
+        slowness=tuple(
+            rng.choice((1.0, 1.0, 3.0, 8.0)) if "slow" in enabled else 1.0 for _ in range(n)
+        ),
+        slots=tuple(rng.randint(1, 4) for _ in range(n)),
+        step_s=rng.uniform(0.005, 0.03),
+        prefill_s_per_token=rng.uniform(0.0001, 0.002),
+    )
+
+
+@dataclass
+class SimResult:
+    seed: int
+    violation: str | None
+    requests: int
+    tokens_delivered: int
+    events: int
+    virtual_time_s: float
+    outcomes: Counter[str]
+    faults: Counter[str]
+    fenced: Counter[str]
+    trace_hash: str | None = None
+    trace_tail: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.violation is None
+
+
+class Simulation:
+    """One seeded run. `trace` keeps every line (and a hash of them all)."""
+
+    def __init__(
+        self,
+        seed: int,
+        scenario: Scenario | None = None,
+        trace: bool = False,
+        trace_tail: int = 40,
+        echo: bool = False,
+    ) -> None:
+        self.seed = seed
+        self.scenario = scenario or Scenario()
+        self.swarm = draw_swarm(Random(f"{seed}/swarm"), self.scenario)
+        self._net = Random(f"{seed}/net")
+        self._faults_rng = Random(f"{seed}/faults")
+        self._clients_rng = Random(f"{seed}/clients")
+        # (time, order, action, args): order breaks ties, so actions never compare
+        self._heap: list[tuple[float, int, Callable[..., None], tuple[object, ...]]] = []
+        self._order = 0
+        self.faults: Counter[str] = Counter()
+        self.healed = False
+        self._partitions: list[tuple[str, str, float]] = []  # (worker, direction, until)
+        self._history: deque[Packet] = deque(maxlen=256)
+        self._decode_pending: dict[str, bool] = {}
+        self._generation: dict[str, int] = {}
+        self._resume_at: dict[str, float] = {}
+        self._hash = hashlib.blake2b(digest_size=16) if trace else None
+        self._tail: deque[str] = deque(maxlen=trace_tail)
+        self._echo = echo
+        self.events = 0
+        worker_ids = [f"w{i}" for i in range(self.scenario.workers)]
+        self.cluster = Cluster(
+            [],
+            self.scenario.router,
+            heartbeat_interval_s=self.scenario.heartbeat_interval_s,
+            on_send=self._on_send,
+            trace=self._trace if trace else None,
+        )
+        self._trace_on = trace
+        for index, worker_id in enumerate(worker_ids):
+            self.cluster.start_worker(worker_id, epoch=0, slots=self.swarm.slots[index])
+            self._decode_pending[worker_id] = False
+            self._generation[worker_id] = 0
+        self._plan_clients()
+        self._plan_faults(worker_ids)
+        self._push(self.scenario.fault_end_s, self._heal)
+
+    # --- the run ---
+
+    def run(self) -> SimResult:
+        if self._trace_on:
+            self._trace(f"seed {self.seed} swarm {sorted(self.swarm.enabled)}")
+        violation: str | None = None
+        end = self.scenario.fault_end_s + self.scenario.liveness_budget_s
+        try:
+            while True:
+                timer = self.cluster.next_deadline()
+                head = self._heap[0][0] if self._heap else math.inf
+                now = min(head, math.inf if timer is None else timer)
+                if now > end:
+                    break
+                if timer is not None and timer <= head:
+                    self.cluster.advance(timer)
+                else:
+                    at, _, action, args = heapq.heappop(self._heap)
+                    self.cluster.now = max(self.cluster.now, at)
+                    action(*args)
+                self.events += 1
+                self.cluster.check_safety()
+                self._schedule_decoders()
+                if self.healed and self._settled():
+                    break
+            if not self._settled():
+                violation = f"liveness: not settled {self.scenario.liveness_budget_s}s after heal: "
+                violation += self._unsettled_reason()
+        except InvariantViolation as error:
+            violation = f"safety: {error}"
+        return self._result(violation)
+
+    def _arrive(self, request: GenerationRequest) -> None:
+        self.cluster.submit(request)
+
+    def _client_cancel(self, request_id: str) -> None:
+        if self.cluster.streams[request_id].outcome is None:
+            self.cluster.cancel(request_id)
+
+    def _scheduled_restart(self, worker_id: str) -> None:
+        if worker_id in self.cluster.down:  # the heal may have restarted it already
+            self._restart(worker_id)
+
+    def _decoder_failure(self, worker_id: str) -> None:
+        if not self.healed and self._alive(worker_id):
+            self._fault("decoder_failure", worker_id)
+            self.cluster.fail_decoder(worker_id)
+
+    def _settled(self) -> bool:
+        cluster = self.cluster
+        if cluster.unfinished() or len(cluster.streams) < self.scenario.requests:
+            return False
+        if any(cluster.decodes[w] for w in cluster.workers):
+            return False
+        if any(w.free_slots != w.config.slots for w in cluster.workers.values()):
+            return False
+        return not any(held for _, held, _ in cluster.router.slot_usage())
+
+    def _unsettled_reason(self) -> str:
+        cluster = self.cluster
+        parts = []
+        if cluster.unfinished():
+            parts.append(f"requests without an outcome {cluster.unfinished()[:5]}")
+        workers = cluster.workers.items()
+        busy = [w for w, worker in workers if worker.free_slots != worker.config.slots]
+        if busy:
+            parts.append(f"workers with slots still taken {busy}")
+        held = [v.worker_id for v in cluster.router.statistics().workers if v.held]
+        if held:
+            parts.append(f"router still counts slots on {held}")
+        return "; ".join(parts) or "decoders still running"
+
+    # --- clients ---
+
+    def _plan_clients(self) -> None:
+        rng = self._clients_rng
+        scenario = self.scenario
+        t = 0.0
+        mean_gap = scenario.arrival_window_s / scenario.requests
+        for index in range(scenario.requests):
+            t += rng.expovariate(1.0 / mean_gap)
+            t = min(t, scenario.arrival_window_s)
+            prompt = tuple(rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 24)))
+            mean, spread = scenario.mean_new_tokens, scenario.mean_new_tokens // 2
+            max_new = rng.randint(mean - spread, mean + spread)
+            seed = rng.randrange(2**32) if rng.random() < 0.7 else None
+            temperature = rng.choice((0.0, 0.7))
+            request = GenerationRequest(
+                f"r{index}", prompt, max(1, max_new), Sampling(temperature, 1.0, seed)
+            )
+            self._push(t, self._arrive, request)
+            if rng.random() < self.swarm.cancel_rate:
+                self._push(t + rng.uniform(0.0, 3.0), self._client_cancel, request.request_id)
+
+    # --- network ---
+
+    def _on_send(self, packet: Packet) -> None:
+        rng = self._net
+        swarm = self.swarm
+        delay = rng.uniform(swarm.delay_min_s, swarm.delay_max_s)
+        if self.healed:
+            self._push(self.cluster.now + delay, self._deliver, packet)
+            return
+        if rng.random() < swarm.loss_rate:
+            self._fault("loss", _brief(packet))
+            return
+        if rng.random() < swarm.late_rate:
+            delay += rng.uniform(0.5, 3.0)
+            self._fault("late", _brief(packet))
+        self._push(self.cluster.now + delay, self._deliver, packet)
+        if rng.random() < swarm.duplicate_rate:
+            self._fault("duplicate", _brief(packet))
+            extra = rng.uniform(swarm.delay_min_s, swarm.delay_max_s * 2)
+            self._push(self.cluster.now + extra, self._deliver, packet)
+        if self._history and rng.random() < swarm.replay_rate:
+            old = self._history[rng.randrange(len(self._history))]
+            self._fault("replay", _brief(old))
+            self._push(self.cluster.now + rng.uniform(0.01, 2.0), self._deliver, old)
+        self._history.append(packet)
+
+    def _deliver(self, packet: Packet) -> None:
+        worker_id = packet.source if packet.to is None else packet.to
+        direction = "from_worker" if packet.to is None else "to_worker"
+        if self._cut(worker_id, direction):
+            self._fault("partition_drop", _brief(packet))
+            return
+        if packet.to is not None and packet.to in self.cluster.paused:
+            # A stalled process reads its socket only when it resumes.
+            self._push(self._resume_at[packet.to], self._deliver, packet)
+            return
+        self.cluster.deliver_packet(packet)
+
+    def _cut(self, worker_id: str, direction: str) -> bool:
+        now = self.cluster.now
+        self._partitions = [p for p in self._partitions if p[2] > now]
+        return any(w == worker_id and d in (direction, "both") for w, d, _ in self._partitions)
+
+    # --- decoders ---
+
+    def _schedule_decoders(self) -> None:
+        cluster = self.cluster
+        for worker_id, decodes in cluster.decodes.items():
+            if not decodes or self._decode_pending[worker_id] or not self._alive(worker_id):
+                continue
+            index = int(worker_id[1:])
+            slow = self.swarm.slowness[index]
+            ready_at = min(self._ready_at(d.request, d.started_at, slow) for d in decodes.values())
+            if ready_at <= cluster.now:
+                at = cluster.now + self.swarm.step_s * slow * (1 + 0.05 * len(decodes))
+            else:
+                at = ready_at
+            self._decode_pending[worker_id] = True
+            self._push(at, self._decode, worker_id, self._generation[worker_id])
+
+    def _ready_at(self, request: GenerationRequest, started_at: float, slow: float) -> float:
+        return started_at + self.swarm.prefill_s_per_token * len(request.prompt_token_ids) * slow
+
+    def _decode(self, worker_id: str, generation: int) -> None:
+        if generation != self._generation[worker_id]:
+            return  # scheduled for a process that has since crashed
+        self._decode_pending[worker_id] = False
+        if not self._alive(worker_id):
+            return
+        slow = self.swarm.slowness[int(worker_id[1:])]
+        decodes = self.cluster.decodes[worker_id]
+        for assignment, decode in list(decodes.items()):
+            ready = self._ready_at(decode.request, decode.started_at, slow) <= self.cluster.now
+            if ready and assignment in decodes:
+                self.cluster.decode_step(worker_id, assignment)
+
+    # --- faults ---
+
+    def _plan_faults(self, worker_ids: list[str]) -> None:
+        rng = self._faults_rng
+        window = self.scenario.fault_end_s
+        for _ in range(self.swarm.crashes):
+            self._push(rng.uniform(0.5, window), self._crash, rng.choice(worker_ids))
+        for _ in range(self.swarm.stalls):
+            at, worker_id = rng.uniform(0.5, window), rng.choice(worker_ids)
+            self._push(at, self._stall, worker_id, rng.uniform(0.2, 3.0))
+        for _ in range(self.swarm.partitions):
+            at, worker_id = rng.uniform(0.5, window), rng.choice(worker_ids)
+            direction = rng.choice(("to_worker", "from_worker", "both"))
+            self._push(at, self._partition, worker_id, direction, rng.uniform(0.1, 2.5))
+        for _ in range(self.swarm.decoder_failures):
+            self._push(rng.uniform(0.5, window), self._decoder_failure, rng.choice(worker_ids))
+        self._crash_downtime = [rng.uniform(0.1, 2.0) for _ in range(self.swarm.crashes)]
+
+    def _alive(self, worker_id: str) -> bool:
+        return worker_id not in self.cluster.down and worker_id not in self.cluster.paused
+
+    def _crash(self, worker_id: str) -> None:
+        if self.healed or worker_id in self.cluster.down:
+            return
+        self._fault("crash", worker_id)
+        self.cluster.crash_worker(worker_id)
+        self.cluster.paused.discard(worker_id)
+        self._generation[worker_id] += 1
+        self._decode_pending[worker_id] = False
+        downtime = self._crash_downtime.pop() if self._crash_downtime else 1.0
+        self._push(self.cluster.now + downtime, self._scheduled_restart, worker_id)
+
+    def _restart(self, worker_id: str) -> None:
+        self._trace_note(f"restart {worker_id}")
+        self._generation[worker_id] += 1
+        self._decode_pending[worker_id] = False
+        self.cluster.restart_worker(worker_id)
+
+    def _stall(self, worker_id: str, duration_s: float) -> None:
+        if self.healed or not self._alive(worker_id):
+            return
+        self._fault("stall", worker_id)
+        self.cluster.paused.add(worker_id)
+        self._resume_at[worker_id] = self.cluster.now + duration_s
+        self._push(self.cluster.now + duration_s, self._resume, worker_id)
+
+    def _resume(self, worker_id: str) -> None:
+        if worker_id in self.cluster.paused:
+            self._trace_note(f"resume {worker_id}")
+            self.cluster.paused.discard(worker_id)
+
+    def _partition(self, worker_id: str, direction: str, duration_s: float) -> None:
+        if self.healed:
+            return
+        self._fault("partition", f"{worker_id} {direction} {duration_s:.2f}s")
+        self._partitions.append((worker_id, direction, self.cluster.now + duration_s))
+
+    def _heal(self) -> None:
+        self.healed = True
+        self._trace_note("heal: faults stop, liveness phase begins")
+        self._partitions.clear()
+        for worker_id in sorted(self.cluster.down):
+            self._restart(worker_id)
+        for worker_id in sorted(self.cluster.paused):
+            self._resume_at[worker_id] = self.cluster.now
+            self._resume(worker_id)
+
+    def _fault(self, kind: str, detail: str) -> None:
+        self.faults[kind] += 1
+        if self._trace_on:
+            self._trace(f"{self.cluster.now:9.4f} fault   {kind} {detail}")
+
+    # --- bookkeeping ---
+
+    def _push(self, time: float, action: Callable[..., None], *args: object) -> None:
+        self._order += 1
+        heapq.heappush(self._heap, (time, self._order, action, args))
+
+    def _trace(self, line: str) -> None:
+        assert self._hash is not None
+        self._hash.update(line.encode())
+        self._tail.append(line)
+        if self._echo:
+            print(line)
+
+    def _trace_note(self, text: str) -> None:
+        if self._trace_on:
+            self._trace(f"{self.cluster.now:9.4f} sim     {text}")
+
+    def _result(self, violation: str | None) -> SimResult:
+        cluster = self.cluster
+        stats = cluster.router.statistics()
+        fenced: Counter[str] = Counter({f"router.{k}": v for k, v in stats.fenced.items()})
+        for worker in cluster.workers.values():
+            for reason, n in worker.statistics().fenced.items():
+                fenced[f"worker.{reason}"] += n
+        outcomes: Counter[str] = Counter()
+        for stream in cluster.streams.values():
+            match stream.outcome:
+                case DeliverFinished(reason=reason) | DeliverError(kind=reason):
+                    outcomes[reason] += 1
+        return SimResult(
+            seed=self.seed,
+            violation=violation,
+            requests=len(cluster.streams),
+            tokens_delivered=sum(len(s.tokens) for s in cluster.streams.values()),
+            events=self.events,
+            virtual_time_s=cluster.now,
+            outcomes=outcomes,
+            faults=self.faults,
+            fenced=fenced,
+            trace_hash=self._hash.hexdigest() if self._hash is not None else None,
+            trace_tail=list(self._tail),
+        )
+
+
+def _brief(packet: Packet) -> str:
+    to = packet.to or "router"
+    return f"{packet.source}->{to} {type(packet.message).__name__}"
+
+
+def run_seed(
+    seed: int, scenario: Scenario | None = None, trace: bool = False, echo: bool = False
+) -> SimResult:
+    return Simulation(seed, scenario, trace=trace, echo=echo).run()
