@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+
+from sim.simulator import Scenario
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -11,6 +14,30 @@ def _parser() -> argparse.ArgumentParser:
         prog="fencepost", description="OpenAI-compatible LLM serving on fenced state machines."
     )
     commands = parser.add_subparsers(dest="command", required=True)
+
+    sim = commands.add_parser(
+        "sim", help="deterministic simulation under injected faults (one seed, or a sweep)"
+    )
+    which = sim.add_mutually_exclusive_group(required=True)
+    which.add_argument("--seed", type=_natural, help="run this one root seed")
+    which.add_argument("--seeds", type=_positive, metavar="COUNT", help="sweep COUNT seeds")
+    sim.add_argument("--start", type=_natural, default=0, help="first seed of a sweep")
+    sim.add_argument("--trace", action="store_true", help="print every event of the run")
+    sim.add_argument("--workers", type=_positive, default=Scenario.workers)
+    sim.add_argument("--requests", type=_positive, default=Scenario.requests)
+    sim.add_argument(
+        "--determinism-every",
+        type=_positive,
+        default=50,
+        help="run every Nth seed of a sweep twice and compare trace hashes",
+    )
+
+    mutants = commands.add_parser(
+        "mutants", help="patch core/ with known bugs and show the simulator catches each"
+    )
+    mutants.add_argument("--seeds", type=_positive, default=500, help="most seeds per mutant")
+    mutants.add_argument("--start", type=_natural, default=0)
+    mutants.add_argument("--timeout", type=_positive, default=600, help="seconds per mutant")
 
     bench = commands.add_parser("bench", help="print performance figures")
     benches = bench.add_subparsers(dest="bench", required=True)
@@ -22,18 +49,38 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive(text: str) -> int:
+def _natural(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _natural(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not positive")
     return value
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Die quietly when the reader of a long trace goes away (`| head`).
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args = _parser().parse_args(argv)
+    if args.command == "sim":
+        from adapters import sim_command
+
+        scenario = Scenario(workers=args.workers, requests=args.requests)
+        if args.seed is not None:
+            return sim_command.run_one(args.seed, scenario, args.trace)
+        return sim_command.run_sweep(args.start, args.seeds, scenario, args.determinism_every)
+    if args.command == "mutants":
+        from adapters import mutants as mutation_check
+
+        return mutation_check.main(args.seeds, args.start, args.timeout)
     if args.command == "bench" and args.bench == "router":
         from adapters import bench_router
 

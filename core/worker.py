@@ -132,6 +132,10 @@ class Worker:
                 raise WorkerMisuse(f"worker cannot handle {event!r}")
         return out
 
+    def holds(self) -> tuple[Assignment, ...]:
+        """The assignments that occupy a slot right now."""
+        return tuple(self._active)
+
     def statistics(self) -> WorkerStatistics:
         return WorkerStatistics(
             worker_id=self.config.worker_id,

@@ -9,8 +9,11 @@ so the oracles in check_safety() can judge the run after every step.
 
 The fake decoder is deterministic: token k of a request is a pure function of
 the prompt, the sampling seed and k (reference_token), so every attempt of a
-request, on any worker, produces the same output, and the client's stream must
-always be a prefix of reference_output().
+greedy or seeded request, on any worker, produces the same output, and the
+client's stream must always be a prefix of reference_output(). Unseeded
+sampling (temperature > 0, no seed) is modelled as what it is on real
+hardware: each attempt draws a different sequence (the attempt number salts
+the function), so a client may see any one attempt's output, never a mix.
 """
 
 from __future__ import annotations
@@ -57,9 +60,15 @@ EOS_ONE_IN = 89  # the fake decoder ends a sequence with probability 1/89 per to
 _MASK = (1 << 64) - 1
 
 
-def reference_token(request: GenerationRequest, index: int) -> int:
-    """The fake decoder's token at `index`: a pure function of prompt, seed and index."""
+def diverges(request: GenerationRequest) -> bool:
+    """Unseeded sampling: two attempts of this request draw different tokens."""
+    return request.sampling.temperature > 0 and request.sampling.seed is None
+
+
+def reference_token(request: GenerationRequest, index: int, salt: int = 0) -> int:
+    """The fake decoder's token at `index`: a pure function of prompt, seed, index, salt."""
     mix = 0x9E3779B97F4A7C15 ^ (request.sampling.seed or 0) & _MASK
+    mix = ((mix ^ salt) * 0x100000001B3) & _MASK
     for token in request.prompt_token_ids:
         mix = ((mix ^ token) * 0x100000001B3) & _MASK
     mix = ((mix ^ index) * 0xFF51AFD7ED558CCD) & _MASK
@@ -67,11 +76,11 @@ def reference_token(request: GenerationRequest, index: int) -> int:
     return EOS_TOKEN if mix % EOS_ONE_IN == 0 else 1 + mix % (VOCAB - 1)
 
 
-def reference_output(request: GenerationRequest) -> tuple[list[int], str]:
+def reference_output(request: GenerationRequest, salt: int = 0) -> tuple[list[int], str]:
     """What an undisturbed run returns: the tokens and the finish reason."""
     tokens: list[int] = []
     for index in range(request.max_new_tokens):
-        token = reference_token(request, index)
+        token = reference_token(request, index, salt)
         tokens.append(token)
         if token == EOS_TOKEN:
             return tokens, "eos"
@@ -97,8 +106,7 @@ class ClientStream:
     """Everything one client received, in order."""
 
     request: GenerationRequest
-    reference: list[int]
-    reference_reason: str
+    references: dict[int, tuple[list[int], str]]  # by salt: the outputs it may show
     tokens: list[int] = field(default_factory=list)
     outcome: DeliverFinished | DeliverError | None = None
     cancel_requested: bool = False
@@ -178,8 +186,9 @@ class Cluster:
         self.start_worker(worker_id, old.epoch + 1, old.slots)
 
     def submit(self, request: GenerationRequest) -> None:
-        reference, reason = reference_output(request)
-        self.streams[request.request_id] = ClientStream(request, reference, reason)
+        salts = range(1, self.router.config.max_attempts + 1) if diverges(request) else [0]
+        references = {salt: reference_output(request, salt) for salt in salts}
+        self.streams[request.request_id] = ClientStream(request, references)
         self._run_router(Submit(request))
 
     def cancel(self, request_id: str) -> None:
@@ -209,7 +218,8 @@ class Cluster:
         """The fake decoder emits the next token of one running assignment."""
         decode = self.decodes[worker_id][assignment]
         index = decode.next_index
-        token = reference_token(decode.request, index)
+        salt = assignment.attempt if diverges(decode.request) else 0
+        token = reference_token(decode.request, index, salt)
         decode.next_index += 1
         self._run_worker(worker_id, Decoded(assignment, index, token))
         if token == EOS_TOKEN or decode.next_index >= decode.request.max_new_tokens:
@@ -241,8 +251,13 @@ class Cluster:
         if self.violations:
             raise InvariantViolation(self.violations[0])
         for worker_id, worker in self.workers.items():
-            if worker_id not in self.down and worker.free_slots < 0:
+            if worker_id in self.down:
+                continue
+            if worker.free_slots < 0:
                 raise InvariantViolation(f"{worker_id} over-committed its slots")
+            if self.decodes[worker_id] and not set(self.decodes[worker_id]) <= set(worker.holds()):
+                # Cancelled or ended work must stop at once, not burn a slot's compute.
+                raise InvariantViolation(f"{worker_id} decodes assignments it no longer holds")
         for worker_id, held, slots in self.router.slot_usage():
             if held > slots:
                 raise InvariantViolation(f"router over-committed {worker_id}")
@@ -287,16 +302,20 @@ class Cluster:
         if stream.outcome is not None:
             self.violations.append(f"{rid}: delivery {effect!r} after terminal {stream.outcome!r}")
             return
-        reference = stream.reference
         match effect:
             case DeliverToken(_, index, token_id):
                 if index != len(stream.tokens):
                     self.violations.append(f"{rid}: index {index} after {len(stream.tokens)}")
-                elif index >= len(reference) or reference[index] != token_id:
+                stream.references = {
+                    salt: (ref, why)
+                    for salt, (ref, why) in stream.references.items()
+                    if index < len(ref) and ref[index] == token_id
+                }
+                if not stream.references:
                     self.violations.append(f"{rid}: token {token_id} at {index} is foreign")
                 stream.tokens.append(token_id)
             case DeliverFinished(_, finish_reason, count):
-                if stream.tokens != reference or finish_reason != stream.reference_reason:
+                if (stream.tokens, finish_reason) not in stream.references.values():
                     self.violations.append(f"{rid}: finished early or wrong: {effect!r}")
                 if count != len(stream.tokens):
                     self.violations.append(f"{rid}: usage {count} != {len(stream.tokens)}")

@@ -178,10 +178,7 @@ class Simulation:
             trace=self._trace if trace else None,
         )
         self._trace_on = trace
-        for index, worker_id in enumerate(worker_ids):
-            self.cluster.start_worker(worker_id, epoch=0, slots=self.swarm.slots[index])
-            self._decode_pending[worker_id] = False
-            self._generation[worker_id] = 0
+        self._worker_ids = worker_ids
         self._plan_clients()
         self._plan_faults(worker_ids)
         self._push(self.scenario.fault_end_s, self._heal)
@@ -191,6 +188,10 @@ class Simulation:
     def run(self) -> SimResult:
         if self._trace_on:
             self._trace(f"seed {self.seed} swarm {sorted(self.swarm.enabled)}")
+        for index, worker_id in enumerate(self._worker_ids):
+            self.cluster.start_worker(worker_id, epoch=0, slots=self.swarm.slots[index])
+            self._decode_pending[worker_id] = False
+            self._generation[worker_id] = 0
         violation: str | None = None
         end = self.scenario.fault_end_s + self.scenario.liveness_budget_s
         try:
@@ -216,6 +217,8 @@ class Simulation:
                 violation += self._unsettled_reason()
         except InvariantViolation as error:
             violation = f"safety: {error}"
+        except Exception as error:  # a machine raised: as much a finding as a bad delivery
+            violation = f"crash: {type(error).__name__}: {error}"
         return self._result(violation)
 
     def _arrive(self, request: GenerationRequest) -> None:
@@ -242,7 +245,19 @@ class Simulation:
             return False
         if any(w.free_slots != w.config.slots for w in cluster.workers.values()):
             return False
+        if self._stale_views():
+            return False
         return not any(held for _, held, _ in cluster.router.slot_usage())
+
+    def _stale_views(self) -> list[str]:
+        """Workers the router does not see as healthy at their current epoch."""
+        actual = {w: worker.config.epoch for w, worker in self.cluster.workers.items()}
+        return [
+            f"{view.worker_id} (router: epoch {view.epoch}, healthy {view.healthy}; "
+            f"worker: epoch {actual.get(view.worker_id)})"
+            for view in self.cluster.router.statistics().workers
+            if not view.healthy or view.epoch != actual.get(view.worker_id)
+        ]
 
     def _unsettled_reason(self) -> str:
         cluster = self.cluster
@@ -256,6 +271,8 @@ class Simulation:
         held = [v.worker_id for v in cluster.router.statistics().workers if v.held]
         if held:
             parts.append(f"router still counts slots on {held}")
+        if stale := self._stale_views():
+            parts.append(f"router's view of workers is stale: {stale}")
         return "; ".join(parts) or "decoders still running"
 
     # --- clients ---

@@ -1,0 +1,166 @@
+"""`fencepost mutants`: prove the simulator has teeth.
+
+Each mutant is a small textual patch to core/ that reproduces a bug a real
+person could write (accepting a duplicate index, skipping the attempt check,
+retrying after the first token, ...). For every mutant the core, sim and
+adapters packages are copied to a temporary folder, the patch is applied there
+(the working tree is never touched), and a seed sweep runs in a subprocess
+against the patched copy. A mutant is killed when the sweep reports a
+violation; the number of seeds it took is reported too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """A bug: in file `path`, each `original` snippet becomes its `mutated` twin."""
+
+    name: str
+    path: str
+    original: str
+    mutated: str
+    also: tuple[tuple[str, str], ...] = ()  # further (original, mutated) pairs, same file
+
+    def patches(self) -> tuple[tuple[str, str], ...]:
+        return ((self.original, self.mutated), *self.also)
+
+
+MUTANTS = (
+    Mutant(
+        "router accepts a duplicate index",
+        "core/router.py",
+        "        if end <= req.delivered:\n",
+        "        if end < req.delivered:\n",
+    ),
+    Mutant(
+        "router accepts a token past a gap",
+        "core/router.py",
+        "        if start > req.delivered:\n",
+        "        if start > req.delivered + 1:\n",
+    ),
+    Mutant(
+        "router skips the attempt check",
+        "core/router.py",
+        "        if req.active != assignment:\n",
+        "        if req.active is None:\n",
+    ),
+    Mutant(
+        # The table would refuse streaming -> offered, so the bug widens it too.
+        "router retries after the first token",
+        "core/router.py",
+        "        if req.delivered > 0:\n            self._give_up(req, kind, message, out)",
+        "        if req.delivered > 10**9:\n            self._give_up(req, kind, message, out)",
+        also=(
+            (
+                '    (P.STREAMING, "token"): P.STREAMING,\n',
+                '    (P.STREAMING, "token"): P.STREAMING,\n    (P.STREAMING, "retry"): P.OFFERED,\n'
+                '    (P.STREAMING, "requeue"): P.RECEIVED,\n',
+            ),
+        ),
+    ),
+    Mutant(
+        "router ignores a heartbeat's new epoch",
+        "core/router.py",
+        "        elif beat.epoch > worker.epoch:\n",
+        "        elif False:\n",
+    ),
+    Mutant(
+        "router completes before the last tokens arrive",
+        "core/router.py",
+        "        if finished.completion_tokens == req.delivered:\n",
+        "        if True:\n",
+    ),
+    Mutant(
+        "router never frees the slot of a completed request",
+        "core/router.py",
+        '        assert finished.reason in ("eos", "length")\n        self._release(req, out)\n',
+        '        assert finished.reason in ("eos", "length")\n',
+    ),
+    Mutant(
+        "worker admits without a free slot",
+        "core/worker.py",
+        "        if self.free_slots <= 0:\n",
+        "        if self.free_slots < -1:\n",
+    ),
+    Mutant(
+        "worker resends from the wrong index",
+        "core/worker.py",
+        "            run = TokenRun(assignment, from_index, tuple(tokens[from_index:]))\n",
+        "            run = TokenRun(assignment, from_index, tuple(tokens[from_index + 1 :]))\n",
+    ),
+    Mutant(
+        "worker keeps decoding after a cancel",
+        "core/worker.py",
+        '        if reason == "cancelled":  # otherwise the decoder has already stopped\n'
+        "            out.append(StopDecode(assignment))\n",
+        '        if reason == "never":\n            out.append(StopDecode(assignment))\n',
+    ),
+)
+
+
+@dataclass(frozen=True)
+class MutantResult:
+    mutant: Mutant
+    killed: bool
+    seeds_needed: int | None
+    violation: str
+
+
+def _patched_tree(mutant: Mutant, into: Path) -> None:
+    ignore = shutil.ignore_patterns("__pycache__")
+    for package in ("core", "sim", "adapters"):
+        shutil.copytree(ROOT / package, into / package, ignore=ignore)
+    target = into / mutant.path
+    source = target.read_text()
+    for original, mutated in mutant.patches():
+        if source.count(original) != 1:
+            raise RuntimeError(f"mutant {mutant.name!r} no longer applies to {mutant.path}")
+        source = source.replace(original, mutated)
+    target.write_text(source)
+
+
+def run_mutant(mutant: Mutant, seeds: int, start: int, timeout_s: float) -> MutantResult:
+    with tempfile.TemporaryDirectory(prefix="fencepost-mutant-") as folder:
+        tree = Path(folder)
+        _patched_tree(mutant, tree)
+        command = [sys.executable, "-m", "adapters.cli", "sim", "--seeds", str(seeds)]
+        command += ["--start", str(start), "--determinism-every", str(10**9)]
+        env = os.environ | {"PYTHONPATH": str(tree)}
+        done = subprocess.run(
+            command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout_s
+        )
+    found = re.search(r"^VIOLATION at seed (\d+): (.*)$", done.stdout, re.MULTILINE)
+    if found is None:
+        if done.returncode != 0:
+            raise RuntimeError(f"mutant {mutant.name!r} crashed the sweep:\n{done.stderr}")
+        return MutantResult(mutant, False, None, "")
+    seed = int(found.group(1))
+    return MutantResult(mutant, True, seed - start + 1, found.group(2))
+
+
+def main(seeds: int, start: int, timeout_s: float) -> int:
+    print(f"mutation check: {len(MUTANTS)} mutants, up to {seeds} seeds each from seed {start}")
+    results = []
+    for mutant in MUTANTS:
+        result = run_mutant(mutant, seeds, start, timeout_s)
+        results.append(result)
+        if result.killed:
+            line = f"killed after {result.seeds_needed} seed(s): {result.violation[:90]}"
+        else:
+            line = "SURVIVED"
+        print(f"  {mutant.name:52} {line}")
+    killed = sum(r.killed for r in results)
+    print(f"kill rate: {killed}/{len(results)}")
+    return 0 if killed == len(results) else 1

@@ -1,0 +1,82 @@
+"""`fencepost sim`: run one seed (optionally traced) or sweep many, and report."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from sim.simulator import Scenario, SimResult, Simulation
+from sim.sweep import SweepSummary, replay_command, sweep
+
+
+def run_one(seed: int, scenario: Scenario, trace: bool) -> int:
+    print(f"root seed {seed}")
+    simulation = Simulation(seed, scenario, trace=trace, echo=trace)
+    print(f"swarm: {_swarm_line(simulation)}")
+    result = simulation.run()
+    _print_result_line(result)
+    if not result.ok:
+        _print_failure(result, scenario, show_tail=not trace)
+        return 1
+    return 0
+
+
+def run_sweep(start: int, count: int, scenario: Scenario, determinism_every: int) -> int:
+    print(f"root seeds {start}..{start + count - 1} ({count} runs)")
+    print(
+        f"scenario: {scenario.workers} workers, {scenario.requests} requests of about "
+        f"{scenario.mean_new_tokens} tokens, faults until t={scenario.fault_end_s}s"
+    )
+    began = time.perf_counter()
+    summary = SweepSummary()
+    for progress in sweep(start, count, scenario, determinism_every):
+        summary = progress
+    elapsed = time.perf_counter() - began
+    _print_summary(summary, elapsed)
+    if summary.failure is not None:
+        _print_failure(summary.failure, scenario, show_tail=True)
+        return 1
+    return 0
+
+
+def _swarm_line(simulation: Simulation) -> str:
+    swarm = simulation.swarm
+    kinds = ", ".join(sorted(swarm.enabled)) or "no faults"
+    return f"{kinds}; slots {list(swarm.slots)}; slowness {list(swarm.slowness)}"
+
+
+def _print_result_line(result: SimResult) -> None:
+    print(
+        f"seed {result.seed}: {'ok' if result.ok else 'FAILED'}; {result.requests} requests, "
+        f"{result.tokens_delivered} tokens delivered, {result.events} events, "
+        f"virtual time {result.virtual_time_s:.2f}s"
+    )
+    print(f"  outcomes: {_counts(result.outcomes)}")
+    print(f"  faults injected: {_counts(result.faults)}")
+    print(f"  messages fenced: {_counts(result.fenced)}")
+
+
+def _print_summary(summary: SweepSummary, elapsed_s: float) -> None:
+    rate = summary.runs / elapsed_s if elapsed_s > 0 else float("inf")
+    failed = 1 if summary.failure is not None else 0
+    print(f"runs {summary.runs}, failed {failed}")
+    print(f"requests {summary.requests}, tokens delivered {summary.tokens_delivered}")
+    print(f"events {summary.events}")
+    print(f"outcomes: {_counts(summary.outcomes)}")
+    print(f"faults injected by kind: {_counts(summary.faults)}")
+    print(f"messages fenced by kind: {_counts(summary.fenced)}")
+    print(f"determinism: {summary.determinism_checked} seeds ran twice, trace hashes compared")
+    print(f"seeds per second: {rate:.1f} ({rate * 60:.0f} per minute, one core)")
+
+
+def _print_failure(result: SimResult, scenario: Scenario, show_tail: bool) -> None:
+    print(f"VIOLATION at seed {result.seed}: {result.violation}")
+    if show_tail and result.trace_tail:
+        print("last trace lines:")
+        for line in result.trace_tail:
+            print(f"  {line}")
+    print(f"replay: {replay_command(result.seed, scenario)}")
+
+
+def _counts(counter: Counter[str]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(counter.items())) or "none"

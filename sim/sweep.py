@@ -1,0 +1,80 @@
+"""Sweeps: many seeds, one summary, the first failure with its replay command.
+
+A sweep runs seeds start, start+1, ... and stops at the first violation. A
+sample of seeds (every `determinism_every`-th, and always the first) is run a
+second time with tracing on; both traces must hash the same, or the
+simulator itself has become nondeterministic, which is reported as a failure
+like any other.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from sim.simulator import Scenario, SimResult, Simulation
+
+
+@dataclass
+class SweepSummary:
+    runs: int = 0
+    requests: int = 0
+    tokens_delivered: int = 0
+    events: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    faults: Counter[str] = field(default_factory=Counter)
+    fenced: Counter[str] = field(default_factory=Counter)
+    determinism_checked: int = 0
+    failure: SimResult | None = None
+
+    def add(self, result: SimResult) -> None:
+        self.runs += 1
+        self.requests += result.requests
+        self.tokens_delivered += result.tokens_delivered
+        self.events += result.events
+        self.outcomes.update(result.outcomes)
+        self.faults.update(result.faults)
+        self.fenced.update(result.fenced)
+
+
+def replay_command(seed: int, scenario: Scenario | None = None) -> str:
+    """The one-line command that reruns a seed with its trace printed."""
+    command = f"fencepost sim --seed {seed} --trace"
+    default = Scenario()
+    if scenario is not None and scenario.workers != default.workers:
+        command += f" --workers {scenario.workers}"
+    if scenario is not None and scenario.requests != default.requests:
+        command += f" --requests {scenario.requests}"
+    return command
+
+
+def check_determinism(seed: int, scenario: Scenario | None = None) -> str | None:
+    """Run a seed twice with full tracing; a message if the trace hashes differ."""
+    first = Simulation(seed, scenario, trace=True).run()
+    second = Simulation(seed, scenario, trace=True).run()
+    if first.trace_hash != second.trace_hash:
+        return f"nondeterminism: seed {seed} traced {first.trace_hash} then {second.trace_hash}"
+    return None
+
+
+def sweep(
+    start: int, count: int, scenario: Scenario | None = None, determinism_every: int = 50
+) -> Iterator[SweepSummary]:
+    """Run the seeds; yields the running summary after each seed (for progress)."""
+    summary = SweepSummary()
+    for seed in range(start, start + count):
+        result = Simulation(seed, scenario).run()
+        if result.ok and (seed - start) % determinism_every == 0:
+            summary.determinism_checked += 1
+            problem = check_determinism(seed, scenario)
+            if problem is not None:
+                result.violation = problem
+        summary.add(result)
+        if not result.ok:
+            # Re-run with tracing to show how it got there (the run is deterministic).
+            summary.failure = Simulation(seed, scenario, trace=True).run()
+            summary.failure.violation = result.violation
+            yield summary
+            return
+        yield summary
