@@ -1,12 +1,12 @@
 # Two commands do everything on a fresh machine; each bootstraps .venv first.
-#   make serve   run the main job (for now: the router benchmark; see README)
+#   make serve   run the main job (until the HTTP server lands: a simulator sweep)
 #   make test    lint, type-check and run the test suite
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint bench
+.PHONY: serve test lint bench sweep mutants
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,4 +25,14 @@ test: lint
 bench: $(STAMP)
 	$(BIN)/fencepost bench router
 
-serve: bench
+serve: $(STAMP)
+	$(BIN)/fencepost sim --seeds 200
+
+# The long pre-release sweep: three cluster shapes, roughly half an hour.
+sweep: $(STAMP)
+	$(BIN)/fencepost sim --seeds 20000 --start 1000
+	$(BIN)/fencepost sim --seeds 5000 --workers 1 --requests 12
+	$(BIN)/fencepost sim --seeds 5000 --workers 5 --requests 40
+
+mutants: $(STAMP)
+	$(BIN)/fencepost mutants --seeds 1000

@@ -12,8 +12,10 @@ switched on may strike. At `fault_end_s` everything heals (crashed workers
 restart, stalled ones resume, partitions close, the network stops dropping,
 duplicating and delaying extra) and the liveness phase begins: every request
 must reach its terminal outcome and every slot must come back within
-`liveness_budget_s` of virtual time. Safety oracles (sim.cluster) run after
-every single event in both phases.
+`liveness_budget_s` of virtual time, plus the time the remaining work would
+take if it ran one token at a time on the slowest worker (so a slow, small
+cluster is given time to drain, while a stuck one still fails). Safety
+oracles (sim.cluster) run after every single event in both phases.
 """
 
 from __future__ import annotations
@@ -193,13 +195,13 @@ class Simulation:
             self._decode_pending[worker_id] = False
             self._generation[worker_id] = 0
         violation: str | None = None
-        end = self.scenario.fault_end_s + self.scenario.liveness_budget_s
+        self._liveness_deadline = math.inf  # set when everything heals
         try:
             while True:
                 timer = self.cluster.next_deadline()
                 head = self._heap[0][0] if self._heap else math.inf
                 now = min(head, math.inf if timer is None else timer)
-                if now > end:
+                if now > self._liveness_deadline:
                     break
                 if timer is not None and timer <= head:
                     self.cluster.advance(timer)
@@ -213,7 +215,8 @@ class Simulation:
                 if self.healed and self._settled():
                     break
             if not self._settled():
-                violation = f"liveness: not settled {self.scenario.liveness_budget_s}s after heal: "
+                budget = self._liveness_deadline - self.scenario.fault_end_s
+                violation = f"liveness: not settled {budget:.1f}s after heal: "
                 violation += self._unsettled_reason()
         except InvariantViolation as error:
             violation = f"safety: {error}"
@@ -432,6 +435,7 @@ class Simulation:
 
     def _heal(self) -> None:
         self.healed = True
+        self._liveness_deadline = self.cluster.now + self._liveness_budget()
         self._trace_note("heal: faults stop, liveness phase begins")
         self._partitions.clear()
         for worker_id in sorted(self.cluster.down):
@@ -439,6 +443,19 @@ class Simulation:
         for worker_id in sorted(self.cluster.paused):
             self._resume_at[worker_id] = self.cluster.now
             self._resume(worker_id)
+
+    def _liveness_budget(self) -> float:
+        """The fixed budget plus a serial upper bound on the work still to do."""
+        swarm = self.swarm
+        step_s = swarm.step_s * max(swarm.slowness) * (1 + 0.05 * max(swarm.slots))
+        prefill_s = swarm.prefill_s_per_token * max(swarm.slowness)
+        remaining_s = 0.0
+        for stream in self.cluster.streams.values():
+            if stream.outcome is None:
+                request = stream.request
+                remaining_s += request.max_new_tokens * step_s
+                remaining_s += len(request.prompt_token_ids) * prefill_s
+        return self.scenario.liveness_budget_s + remaining_s
 
     def _fault(self, kind: str, detail: str) -> None:
         self.faults[kind] += 1
