@@ -26,6 +26,7 @@ counted.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import KeysView
 from dataclasses import dataclass, field
 
 from msgspec import Struct
@@ -132,9 +133,9 @@ class Worker:
                 raise WorkerMisuse(f"worker cannot handle {event!r}")
         return out
 
-    def holds(self) -> tuple[Assignment, ...]:
-        """The assignments that occupy a slot right now."""
-        return tuple(self._active)
+    def holds(self) -> KeysView[Assignment]:
+        """The assignments that occupy a slot right now (a live, read-only view)."""
+        return self._active.keys()
 
     def statistics(self) -> WorkerStatistics:
         return WorkerStatistics(

@@ -253,9 +253,11 @@ class Cluster:
         for worker_id, worker in self.workers.items():
             if worker_id in self.down:
                 continue
-            if worker.free_slots < 0:
+            holds = worker.holds()
+            if len(holds) > worker.config.slots:
                 raise InvariantViolation(f"{worker_id} over-committed its slots")
-            if self.decodes[worker_id] and not set(self.decodes[worker_id]) <= set(worker.holds()):
+            decodes = self.decodes[worker_id]
+            if decodes and not decodes.keys() <= holds:
                 # Cancelled or ended work must stop at once, not burn a slot's compute.
                 raise InvariantViolation(f"{worker_id} decodes assignments it no longer holds")
         for worker_id, held, slots in self.router.slot_usage():
