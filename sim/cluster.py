@@ -145,6 +145,8 @@ class Cluster:
         self.decodes: dict[str, dict[Assignment, Decode]] = {}
         self.down: set[str] = set()  # crashed: events to them vanish
         self.paused: set[str] = set()  # stalled: their timers wait until they resume
+        self._deadline: float | None = None
+        self._deadline_stale = True  # any timer, crash or pause change sets this
         self.decoder_failures = 0
         self.in_flight: list[Packet] = []
         self.streams: dict[str, ClientStream] = {}
@@ -167,6 +169,7 @@ class Cluster:
         self.worker_timers[worker_id] = {}
         self.decodes[worker_id] = {}
         self.down.discard(worker_id)
+        self._deadline_stale = True
         self._run_worker(worker_id, WorkerStart())
 
     def fail_decoder(self, worker_id: str) -> None:
@@ -175,9 +178,20 @@ class Cluster:
         self.decodes[worker_id] = {}
         self._run_worker(worker_id, DecoderFailed("injected decoder failure"))
 
+    def pause_worker(self, worker_id: str) -> None:
+        """The process stalls: it handles nothing, its timers wait."""
+        self.paused.add(worker_id)
+        self._deadline_stale = True
+
+    def resume_worker(self, worker_id: str) -> None:
+        self.paused.discard(worker_id)
+        self._deadline_stale = True
+
     def crash_worker(self, worker_id: str) -> None:
         """The process dies: its state, timers and decodes are gone."""
         self.down.add(worker_id)
+        self.paused.discard(worker_id)
+        self._deadline_stale = True
         self.worker_timers[worker_id] = {}
         self.decodes[worker_id] = {}
 
@@ -231,6 +245,13 @@ class Cluster:
         return [(w, a) for w, decodes in self.decodes.items() for a in decodes]
 
     def next_deadline(self) -> float | None:
+        """The earliest armed timer of the router or of a running worker."""
+        if self._deadline_stale:
+            self._deadline = self._earliest_deadline()
+            self._deadline_stale = False
+        return self._deadline
+
+    def _earliest_deadline(self) -> float | None:
         deadlines = list(self.router_timers.values())
         for worker_id, timers in self.worker_timers.items():
             if worker_id not in self.down and worker_id not in self.paused:
@@ -290,8 +311,10 @@ class Cluster:
                 self._send("router", worker_id, message)
             case ArmTimer(key, deadline):
                 self.router_timers[key] = deadline
+                self._deadline_stale = True
             case DisarmTimer(key):
                 self.router_timers.pop(key, None)
+                self._deadline_stale = True
             case DeliverToken() | DeliverFinished() | DeliverError():
                 self._record_delivery(effect)
 
@@ -360,10 +383,13 @@ class Cluster:
                 self.decodes[worker_id].pop(assignment, None)
             case ArmTimer(key, deadline):
                 self.worker_timers[worker_id][key] = deadline
+                self._deadline_stale = True
             case DisarmTimer(key):
                 self.worker_timers[worker_id].pop(key, None)
+                self._deadline_stale = True
 
     def _fire_due(self) -> None:
+        self._deadline_stale = True
         for key, deadline in sorted(self.router_timers.items(), key=lambda kv: kv[1]):
             if deadline <= self.now and self.router_timers.get(key) == deadline:
                 del self.router_timers[key]

@@ -402,7 +402,6 @@ class Simulation:
             return
         self._fault("crash", worker_id)
         self.cluster.crash_worker(worker_id)
-        self.cluster.paused.discard(worker_id)
         self._generation[worker_id] += 1
         self._decode_pending[worker_id] = False
         downtime = self._crash_downtime.pop() if self._crash_downtime else 1.0
@@ -418,14 +417,14 @@ class Simulation:
         if self.healed or not self._alive(worker_id):
             return
         self._fault("stall", worker_id)
-        self.cluster.paused.add(worker_id)
+        self.cluster.pause_worker(worker_id)
         self._resume_at[worker_id] = self.cluster.now + duration_s
         self._push(self.cluster.now + duration_s, self._resume, worker_id)
 
     def _resume(self, worker_id: str) -> None:
         if worker_id in self.cluster.paused:
             self._trace_note(f"resume {worker_id}")
-            self.cluster.paused.discard(worker_id)
+            self.cluster.resume_worker(worker_id)
 
     def _partition(self, worker_id: str, direction: str, duration_s: float) -> None:
         if self.healed:
