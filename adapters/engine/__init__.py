@@ -1,0 +1,1 @@
+"""The torch decode engine: model loading, a batched Llama forward, continuous batching."""

@@ -1,0 +1,93 @@
+"""Continuous-batching policy: who joins the batch, and who runs in the next step.
+
+The engine (adapters/engine) owns tensors; this module owns decisions, so the
+policy can be tested, and later simulated, without torch. Two pure functions:
+
+- admit(): which waiting sequences get a cache slot now (FIFO, while a slot
+  is free and the sequence fits in a slot's context);
+- plan_step(): what one forward step computes. Every sequence that has
+  finished its prefill decodes one token (running decodes are never starved);
+  the rest of the step's token budget goes to prefill chunks, oldest sequence
+  first, each chunk at most `max_prefill_tokens` (so a long prompt is chunked
+  over several steps and never stalls the running decodes for long).
+
+The limits guarantee progress: `max_step_tokens > max_seqs`, so even a full
+batch of decodes leaves room for at least one prefill token per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from msgspec import Struct
+
+
+class BatchLimits(Struct, frozen=True):
+    max_seqs: int = 16  # sequences holding a cache slot at once
+    max_context: int = 2048  # tokens one slot's cache holds (prompt + output)
+    max_step_tokens: int = 256  # tokens computed by one step, decodes included
+    max_prefill_tokens: int = 128  # largest prefill chunk of one sequence per step
+
+    def __post_init__(self) -> None:
+        if min(self.max_seqs, self.max_context, self.max_prefill_tokens) < 1:
+            raise ValueError("batch limits must be positive")
+        if self.max_step_tokens <= self.max_seqs:
+            raise ValueError("max_step_tokens must exceed max_seqs so prefill always progresses")
+
+
+class Waiting(Struct, frozen=True):
+    key: int
+    context_tokens: int  # prompt + max new tokens
+
+
+class Running(Struct, frozen=True):
+    key: int
+    prompt_tokens: int
+    prefilled: int  # prompt tokens already in the cache
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled >= self.prompt_tokens
+
+
+class StepPlan(Struct, frozen=True):
+    decode: tuple[int, ...]  # keys that decode one token this step
+    prefill: tuple[tuple[int, int], ...]  # (key, prompt tokens to prefill this step)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.decode) + sum(n for _, n in self.prefill)
+
+
+class Admission(Struct, frozen=True):
+    admitted: tuple[int, ...]
+    rejected: tuple[int, ...]  # can never fit a slot's context: fail them
+
+
+def admit(waiting: Sequence[Waiting], running: int, limits: BatchLimits) -> Admission:
+    """FIFO admission while slots are free; never skips ahead of a fitting head."""
+    admitted: list[int] = []
+    rejected: list[int] = []
+    free = limits.max_seqs - running
+    for seq in waiting:
+        if seq.context_tokens > limits.max_context:
+            rejected.append(seq.key)
+        elif free > 0:
+            admitted.append(seq.key)
+            free -= 1
+    return Admission(tuple(admitted), tuple(rejected))
+
+
+def plan_step(running: Sequence[Running], limits: BatchLimits) -> StepPlan:
+    """Decodes first, then prefill chunks in admission order within the budget."""
+    decode = tuple(seq.key for seq in running if seq.decoding)
+    budget = limits.max_step_tokens - len(decode)
+    prefill: list[tuple[int, int]] = []
+    for seq in running:
+        if budget <= 0:
+            break
+        if not seq.decoding:
+            chunk = min(seq.prompt_tokens - seq.prefilled, limits.max_prefill_tokens, budget)
+            prefill.append((seq.key, chunk))
+            budget -= chunk
+    return StepPlan(decode, tuple(prefill))
