@@ -177,7 +177,8 @@ class LlamaRunner:
         return (F.silu(gate) * up) @ down.T
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return (_rms_norm(x, self.final_norm, self.eps) @ self.lm_head.T).float()
+        logits: torch.Tensor = _rms_norm(x, self.final_norm, self.eps) @ self.lm_head.T
+        return logits.float()
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
