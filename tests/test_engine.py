@@ -1,0 +1,202 @@
+"""The decode engine on a tiny randomly initialised llama built here (no download)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from adapters.engine.engine import Engine, EngineThread, sample_rows, token_seed
+from adapters.engine.llama import UnsupportedModel
+from adapters.engine.model import LoadedModel
+from core.batching import BatchLimits
+from core.protocol import (
+    Assignment,
+    Decoded,
+    DecodeDone,
+    DecoderFailed,
+    GenerationRequest,
+    Sampling,
+)
+
+VOCAB = 97
+PROMPTS = [(1, 2, 3, 4, 5, 6, 7), (9, 8), tuple(range(11, 30))]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def engine(model: LlamaForCausalLM, eos: frozenset[int] = frozenset(), **limits: int) -> Engine:
+    settings = {"max_seqs": 4, "max_context": 128, "max_step_tokens": 16, "max_prefill_tokens": 5}
+    loaded = LoadedModel(model, None, "tiny", eos, 128, "built in the test")
+    return Engine(loaded, BatchLimits(**(settings | limits)))
+
+
+def run(eng: Engine, requests: list[GenerationRequest]) -> dict[str, list[int | str]]:
+    """Start every request at once and step until done: request id -> tokens, then reason."""
+    for request in requests:
+        eng.start(Assignment(request.request_id, 1), request)
+    out: dict[str, list[int | str]] = {r.request_id: [] for r in requests}
+    while eng.has_work():
+        for event in eng.step():
+            rid = event.assignment.request_id
+            if isinstance(event, Decoded):
+                assert event.index == sum(isinstance(t, int) for t in out[rid])
+                out[rid].append(event.token_id)
+            else:
+                out[rid].append(event.reason)
+    return out
+
+
+def hf_greedy(model: LlamaForCausalLM, prompt: tuple[int, ...], tokens: int) -> list[int]:
+    ids = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=tokens,
+        eos_token_id=None,  # the tiny config's eos (2) must not stop HF early
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return [int(t) for t in ids[0, len(prompt) :]]
+
+
+def test_greedy_batched_chunked_output_equals_hf_generate(tiny: LlamaForCausalLM) -> None:
+    requests = [GenerationRequest(f"r{i}", p, 20) for i, p in enumerate(PROMPTS)]
+    out = run(engine(tiny), requests)
+    for i, prompt in enumerate(PROMPTS):
+        assert out[f"r{i}"] == [*hf_greedy(tiny, prompt, 20), "length"]
+
+
+def test_greedy_output_is_the_same_alone_and_in_a_batch(tiny: LlamaForCausalLM) -> None:
+    alone = run(engine(tiny), [GenerationRequest("x", PROMPTS[2], 24)])["x"]
+    others = [
+        GenerationRequest(f"o{i}", p, 30, Sampling(0.9, 0.9, i)) for i, p in enumerate(PROMPTS)
+    ]
+    together = run(engine(tiny), [*others, GenerationRequest("x", PROMPTS[2], 24)])["x"]
+    assert alone == together
+
+
+def test_seeded_sampling_reproduces_whatever_shares_the_batch(tiny: LlamaForCausalLM) -> None:
+    request = GenerationRequest("s", PROMPTS[0], 25, Sampling(1.0, 0.9, 1234))
+    alone = run(engine(tiny), [request])["s"]
+    crowd = [
+        GenerationRequest(f"c{i}", p, 10, Sampling(0.7, 1.0, i)) for i, p in enumerate(PROMPTS)
+    ]
+    together = run(engine(tiny), [*crowd, request])["s"]
+    assert alone == together
+    other_seed = GenerationRequest("s", PROMPTS[0], 25, Sampling(1.0, 0.9, 99))
+    assert run(engine(tiny), [other_seed])["s"] != alone
+
+
+def test_sampling_draws_depend_only_on_seed_and_index() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(3, VOCAB)
+    settings = [(0.0, 1.0, 5, 0), (1.0, 0.8, 5, 7), (0.7, 1.0, 6, 2)]
+    first = sample_rows(logits, settings)
+    assert first[0] == int(torch.argmax(logits[0]))
+    assert sample_rows(logits, settings) == first
+    # each row alone, in another position, draws the same token
+    assert sample_rows(logits[1:2], [settings[1]]) == [first[1]]
+    assert sample_rows(logits[[2, 0]], [settings[2], settings[0]]) == [first[2], first[0]]
+    assert token_seed(5, 7) != token_seed(5, 8) != token_seed(6, 7)
+
+
+def test_top_p_keeps_only_the_nucleus() -> None:
+    logits = torch.full((1, VOCAB), -30.0)
+    logits[0, 3], logits[0, 4] = 5.0, 4.0  # ~73% and ~27%; everything else ~0
+    picks = {sample_rows(logits, [(1.0, 0.5, seed, 0)])[0] for seed in range(50)}
+    assert picks == {3}
+    picks = {sample_rows(logits, [(1.0, 0.99, seed, 0)])[0] for seed in range(50)}
+    assert picks == {3, 4}
+
+
+def test_max_tokens_and_eos_stop_with_the_right_reason(tiny: LlamaForCausalLM) -> None:
+    greedy = hf_greedy(tiny, PROMPTS[1], 10)
+    stop_at = greedy[2]
+    first = greedy.index(stop_at)
+    out = run(engine(tiny, eos=frozenset({stop_at})), [GenerationRequest("e", PROMPTS[1], 10)])
+    assert out["e"] == [*greedy[: first + 1], "eos"]
+    by_request = GenerationRequest("t", PROMPTS[1], 10, stop_token_ids=(stop_at,))
+    assert run(engine(tiny), [by_request])["t"] == [*greedy[: first + 1], "eos"]
+    assert run(engine(tiny), [GenerationRequest("l", PROMPTS[1], 3)])["l"] == [
+        *greedy[:3],
+        "length",
+    ]
+
+
+def test_a_cancelled_request_frees_its_slot_for_the_next_step(tiny: LlamaForCausalLM) -> None:
+    eng = engine(tiny, max_seqs=1)
+    a, b = Assignment("a", 1), Assignment("b", 1)
+    eng.start(a, GenerationRequest("a", PROMPTS[0], 50))
+    eng.start(b, GenerationRequest("b", PROMPTS[1], 5))
+    first = eng.step()
+    assert [e.assignment for e in first] == [a] or first == []  # a prefills, b waits
+    eng.stop(a)
+    events = eng.step()
+    assert events and all(e.assignment == b for e in events)
+    assert eng.active == 1
+
+
+def test_a_request_longer_than_a_slot_fails(tiny: LlamaForCausalLM) -> None:
+    out = run(engine(tiny, max_context=20), [GenerationRequest("big", PROMPTS[2], 10)])
+    assert out["big"] == ["failed"]
+
+
+def test_out_of_vocabulary_prompt_is_refused(tiny: LlamaForCausalLM) -> None:
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine(tiny).start(Assignment("v", 1), GenerationRequest("v", (1, VOCAB + 5), 4))
+
+
+def test_other_architectures_are_refused_clearly() -> None:
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).eval()
+    loaded = LoadedModel(gpt2, None, "gpt2", frozenset(), 128, "test")
+    with pytest.raises(UnsupportedModel, match="llama"):
+        Engine(loaded, BatchLimits(max_seqs=2, max_context=64, max_step_tokens=8))
+
+
+def test_the_engine_thread_streams_events_and_reports_a_broken_step(
+    tiny: LlamaForCausalLM,
+) -> None:
+    received: list[object] = []
+    done = threading.Event()
+
+    def on_events(events: list[object]) -> None:
+        received.extend(events)
+        if any(isinstance(e, DecodeDone | DecoderFailed) for e in events):
+            done.set()
+
+    eng = engine(tiny)
+    thread = EngineThread(eng, on_events)
+    try:
+        thread.start(Assignment("t", 1), GenerationRequest("t", PROMPTS[0], 6))
+        assert done.wait(30)
+        tokens = [e.token_id for e in received if isinstance(e, Decoded)]
+        assert tokens == hf_greedy(tiny, PROMPTS[0], 6)
+        assert received[-1] == DecodeDone(Assignment("t", 1), "length")
+
+        done.clear()
+
+        def broken(*args: object) -> torch.Tensor:
+            raise RuntimeError("device lost")
+
+        eng.runner.decode = broken  # type: ignore[method-assign]
+        thread.start(Assignment("u", 1), GenerationRequest("u", PROMPTS[1], 6))
+        assert done.wait(30)
+        assert isinstance(received[-1], DecoderFailed)
+        assert "device lost" in received[-1].message
+        assert not eng.has_work()
+    finally:
+        thread.close()
