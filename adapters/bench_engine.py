@@ -80,7 +80,13 @@ def memory_bandwidth_gbs(device: Any) -> float:
     return 2 * source.numel() * 4 / best / 1e9
 
 
-def main(model_path: str | None, tokens: int, concurrency: list[int], threads: int | None) -> int:
+def main(
+    model_path: str | None,
+    tokens: int,
+    concurrency: list[int],
+    threads: int | None,
+    weights: str = "float",
+) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
     loaded = load_model(model_path)
@@ -91,11 +97,12 @@ def main(model_path: str | None, tokens: int, concurrency: list[int], threads: i
     print(
         f"engine bench: {loaded.name} on {device} ({next(loaded.model.parameters()).dtype}), "
         f"{torch.get_num_threads()} torch threads, prompt {len(prompt)} tokens, "
-        f"{tokens} new tokens per request"
+        f"{tokens} new tokens per request, engine weights {weights}"
     )
     hf = hf_generate_rate(loaded, prompt, tokens)
     print(f"  HF generate, 1 stream:              {hf:8.1f} tok/s   (1.00x)")
-    engine = Engine(endless, BatchLimits(max_seqs=max(concurrency), max_context=2048))
+    limits = BatchLimits(max_seqs=max(concurrency), max_context=2048)
+    engine = Engine(endless, limits, weights=weights)
     engine_run(engine, prompt, 1, 8)  # warm up
     rows = []
     steps_at_max: list[float] = []

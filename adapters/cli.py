@@ -51,6 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument("--tokens", type=_positive, default=128, help="new tokens per request")
     engine.add_argument("--concurrency", default="1,4,8,16", help="comma-separated stream counts")
     engine.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
+    engine.add_argument(
+        "--weights",
+        choices=("float", "int8"),
+        default="float",
+        help="engine weights: as loaded, or int8 (CPU; faster, visibly less accurate)",
+    )
     return parser
 
 
@@ -94,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         from adapters import bench_engine
 
         levels = [int(n) for n in args.concurrency.split(",")]
-        return bench_engine.main(args.model, args.tokens, levels, args.threads)
+        return bench_engine.main(args.model, args.tokens, levels, args.threads, args.weights)
     raise AssertionError(f"unhandled command {args}")
 
 

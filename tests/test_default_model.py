@@ -56,6 +56,14 @@ def test_the_default_model_names_paris(first_load: LoadedModel) -> None:
     assert tokens[-1] in first_load.eos_token_ids  # it stopped by itself, at EOS
 
 
+def test_int8_weights_still_name_paris(first_load: LoadedModel) -> None:
+    # int8 is an opt-in speed setting; engine.md records where its answers drift.
+    eng = Engine(first_load, BatchLimits(max_seqs=2, max_context=256), weights="int8")
+    prompt = chat(first_load, "What is the capital of France?")
+    tokens = generate(eng, [GenerationRequest("q", prompt, 24)])["q"]
+    assert "Paris" in first_load.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
 def test_greedy_output_is_the_same_alone_and_in_a_batch(first_load: LoadedModel) -> None:
     eng = Engine(first_load, BatchLimits(max_seqs=8, max_context=512))
     prompt = chat(first_load, "List three colours of the rainbow.")

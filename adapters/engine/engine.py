@@ -64,13 +64,15 @@ class StepTiming:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, limits: BatchLimits | None = None) -> None:
+    def __init__(
+        self, loaded: LoadedModel, limits: BatchLimits | None = None, weights: str = "float"
+    ) -> None:
         limits = limits or BatchLimits(max_context=min(2048, loaded.max_context))
         if limits.max_context > loaded.max_context:
             raise ValueError(f"max_context {limits.max_context} > the model's {loaded.max_context}")
         self.loaded = loaded
         self.limits = limits
-        self.runner = LlamaRunner(loaded.model, limits.max_seqs, limits.max_context)
+        self.runner = LlamaRunner(loaded.model, limits.max_seqs, limits.max_context, weights)
         self.device = self.runner.device
         self._keys = 0
         self._waiting: dict[int, _Sequence] = {}
