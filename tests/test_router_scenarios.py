@@ -75,6 +75,19 @@ def accept(router: Router, worker: str, a: Assignment, now: float = 0.0) -> list
     return from_worker(router, worker, OfferResult(worker, 0, a, True), now)
 
 
+def accepted(
+    max_new: int = 8, config: RouterConfig | None = None, workers: tuple[str, ...] = ("w1",)
+) -> tuple[Router, Assignment]:
+    """A router whose request "a" (attempt 1) has been accepted by w1."""
+    router = Router(config)
+    for worker in workers:
+        beat(router, worker)
+    router.handle(Submit(request("a", max_new=max_new)), 0)
+    a1 = Assignment("a", 1)
+    accept(router, "w1", a1)
+    return router, a1
+
+
 def test_offer_goes_to_a_healthy_worker_with_a_timer() -> None:
     router = Router(RouterConfig(offer_timeout_s=2.0))
     beat(router, "w1")
@@ -87,11 +100,7 @@ def test_offer_goes_to_a_healthy_worker_with_a_timer() -> None:
 
 
 def test_duplicate_and_gap_are_fenced_while_the_next_index_is_delivered() -> None:
-    router = Router()
-    beat(router, "w1")
-    router.handle(Submit(request("a")), 0)
-    a1 = Assignment("a", 1)
-    accept(router, "w1", a1)
+    router, a1 = accepted()
     assert from_worker(router, "w1", Token(a1, 0, 100)) == [DeliverToken("a", 0, 100)]
     assert from_worker(router, "w1", Token(a1, 0, 100)) == []  # duplicate
     # a gap is not delivered; the router asks again from the first missing index
@@ -103,12 +112,7 @@ def test_duplicate_and_gap_are_fenced_while_the_next_index_is_delivered() -> Non
 
 
 def test_token_from_another_worker_is_fenced() -> None:
-    router = Router()
-    beat(router, "w1")
-    beat(router, "w2")
-    router.handle(Submit(request("a")), 0)
-    a1 = Assignment("a", 1)
-    accept(router, "w1", a1)
+    router, a1 = accepted(workers=("w1", "w2"))
     assert from_worker(router, "w2", Token(a1, 0, 5)) == []
     assert router.statistics().fenced["wrong_worker"] == 1
 
@@ -125,11 +129,7 @@ def test_token_before_the_accept_counts_as_acceptance() -> None:
 
 
 def test_finished_waits_for_tokens_still_in_flight() -> None:
-    router = Router()
-    beat(router, "w1")
-    router.handle(Submit(request("a")), 0)
-    a1 = Assignment("a", 1)
-    accept(router, "w1", a1)
+    router, a1 = accepted()
     from_worker(router, "w1", Token(a1, 0, 1))
     assert from_worker(router, "w1", Finished(a1, "eos", 3)) == []
     assert from_worker(router, "w1", Token(a1, 1, 2)) == [DeliverToken("a", 1, 2)]
@@ -192,12 +192,7 @@ def test_attempts_are_bounded() -> None:
 
 
 def test_worker_crash_before_first_token_completes_elsewhere() -> None:
-    router = Router()
-    beat(router, "w1")
-    beat(router, "w2")
-    router.handle(Submit(request("a", max_new=2)), 0)
-    a1 = Assignment("a", 1)
-    accept(router, "w1", a1)
+    router, _ = accepted(max_new=2, workers=("w1", "w2"))
     # w1 comes back with a new epoch: it lost everything it held
     effects = beat(router, "w1", now=0.5, epoch=1)
     [(worker, offer)] = offers(effects)
@@ -224,12 +219,7 @@ def test_heartbeat_expiry_before_first_token_fails_over() -> None:
 
 
 def test_worker_lost_after_first_token_ends_the_stream_with_worker_lost() -> None:
-    router = Router(RouterConfig(heartbeat_timeout_s=3.0))
-    beat(router, "w1")
-    beat(router, "w2")
-    router.handle(Submit(request("a")), 0)
-    a1 = Assignment("a", 1)
-    accept(router, "w1", a1)
+    router, _ = accepted(config=RouterConfig(heartbeat_timeout_s=3.0), workers=("w1", "w2"))
     from_worker(router, "w1", Token(a1, 0, 1))
     beat(router, "w2", now=2.5, seq=2)
     effects = router.handle(TimerFired(LivenessTimer("w1")), 3.0)
@@ -317,12 +307,7 @@ def test_no_worker_and_too_long_requests_fail_at_once() -> None:
 
 
 def test_failed_finish_after_first_token_is_failed() -> None:
-    router = Router()
-    beat(router, "w1")
-    beat(router, "w2")
-    router.handle(Submit(request("a")), 0)
-    a1 = Assignment("a", 1)
-    accept(router, "w1", a1)
+    router, a1 = accepted(workers=("w1", "w2"))
     from_worker(router, "w1", Token(a1, 0, 1))
     [outcome] = outcomes(from_worker(router, "w1", Finished(a1, "failed", 1)))
     assert isinstance(outcome, DeliverError)
@@ -330,11 +315,7 @@ def test_failed_finish_after_first_token_is_failed() -> None:
 
 
 def test_finish_claiming_fewer_tokens_than_delivered_is_fenced() -> None:
-    router = Router()
-    beat(router, "w1")
-    router.handle(Submit(request("a", max_new=3)), 0)
-    a1 = Assignment("a", 1)
-    accept(router, "w1", a1)
+    router, a1 = accepted(max_new=3)
     from_worker(router, "w1", Token(a1, 0, 1))
     from_worker(router, "w1", Token(a1, 1, 1))
     assert from_worker(router, "w1", Finished(a1, "eos", 1)) == []
@@ -359,12 +340,7 @@ def test_heartbeat_without_a_cancelled_assignment_releases_its_slot() -> None:
 
 def test_confirmed_assignment_missing_from_heartbeats_is_lost_after_the_timeout() -> None:
     # The worker dropped an assignment and its Finished never arrived.
-    router = Router(RouterConfig(heartbeat_timeout_s=3.0))
-    beat(router, "w1")
-    beat(router, "w2")
-    router.handle(Submit(request("a")), 0)
-    a1 = Assignment("a", 1)
-    accept(router, "w1", a1)
+    router, _ = accepted(config=RouterConfig(heartbeat_timeout_s=3.0), workers=("w1", "w2"))
     assert offers(beat(router, "w1", now=1.0, seq=2)) == []  # maybe still in flight
     effects = beat(router, "w1", now=4.0, seq=3)
     [(worker, offer)] = offers(effects)
@@ -372,11 +348,7 @@ def test_confirmed_assignment_missing_from_heartbeats_is_lost_after_the_timeout(
 
 
 def test_a_token_run_delivers_only_what_is_missing_and_completes_a_pending_finish() -> None:
-    router = Router()
-    beat(router, "w1")
-    router.handle(Submit(request("a", max_new=5)), 0)
-    a1 = Assignment("a", 1)
-    accept(router, "w1", a1)
+    router, a1 = accepted(max_new=5)
     from_worker(router, "w1", Token(a1, 0, 10))
     from_worker(router, "w1", Token(a1, 1, 11))
     assert from_worker(router, "w1", Finished(a1, "length", 5)) == []
@@ -393,11 +365,7 @@ def test_a_token_run_delivers_only_what_is_missing_and_completes_a_pending_finis
 
 
 def test_resends_are_rate_limited() -> None:
-    router = Router(RouterConfig(resend_interval_s=0.5))
-    beat(router, "w1")
-    router.handle(Submit(request("a")), 0)
-    a1 = Assignment("a", 1)
-    accept(router, "w1", a1)
+    router, a1 = accepted(config=RouterConfig(resend_interval_s=0.5))
     assert from_worker(router, "w1", Token(a1, 3, 1), now=1.0) == [
         SendToWorker("w1", Resend(a1, 0))
     ]
@@ -409,11 +377,7 @@ def test_resends_are_rate_limited() -> None:
 
 
 def test_missing_finished_is_asked_for_again_before_the_attempt_is_given_up() -> None:
-    router = Router(RouterConfig(heartbeat_timeout_s=3.0))
-    beat(router, "w1")
-    router.handle(Submit(request("a")), 0)
-    a1 = Assignment("a", 1)
-    accept(router, "w1", a1)
+    router, a1 = accepted(config=RouterConfig(heartbeat_timeout_s=3.0))
     from_worker(router, "w1", Token(a1, 0, 1))
     # the worker finished (no longer lists it) but its last token and Finished were lost
     assert beat(router, "w1", now=1.0, seq=2) == [SendToWorker("w1", Resend(a1, 1))]
