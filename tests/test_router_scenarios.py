@@ -219,7 +219,7 @@ def test_heartbeat_expiry_before_first_token_fails_over() -> None:
 
 
 def test_worker_lost_after_first_token_ends_the_stream_with_worker_lost() -> None:
-    router, _ = accepted(config=RouterConfig(heartbeat_timeout_s=3.0), workers=("w1", "w2"))
+    router, a1 = accepted(config=RouterConfig(heartbeat_timeout_s=3.0), workers=("w1", "w2"))
     from_worker(router, "w1", Token(a1, 0, 1))
     beat(router, "w2", now=2.5, seq=2)
     effects = router.handle(TimerFired(LivenessTimer("w1")), 3.0)
