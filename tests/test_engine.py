@@ -14,12 +14,21 @@ from adapters.engine.model import LoadedModel
 from core.batching import BatchLimits
 from core.protocol import (
     Assignment,
+    Cancel,
     Decoded,
     DecodeDone,
     DecoderFailed,
+    Finished,
+    FromRouterMessage,
     GenerationRequest,
+    Offer,
     Sampling,
+    SendToRouter,
+    StartDecode,
+    StopDecode,
+    Token,
 )
+from core.worker import Worker, WorkerConfig
 
 VOCAB = 97
 PROMPTS = [(1, 2, 3, 4, 5, 6, 7), (9, 8), tuple(range(11, 30))]
@@ -210,3 +219,41 @@ def test_int8_projection_stays_close_to_the_float_one() -> None:
     assert torch.equal(exact, x @ weight.T)
     # about 2% with 7-bit activations; without reduce_range the x86 kernels saturate (~9%)
     assert float((approx - exact).norm() / exact.norm()) < 0.04
+
+
+def test_the_engine_drives_the_worker_machine_through_cancel_and_finish(
+    tiny: LlamaForCausalLM,
+) -> None:
+    """Worker effects start and stop engine work; engine events go back through the fence."""
+    eng = engine(tiny, max_seqs=2)
+    worker = Worker(WorkerConfig("w1", slots=2, max_context=128))
+    sent: list[object] = []
+
+    def apply(effects: list[object]) -> None:
+        for effect in effects:
+            match effect:
+                case StartDecode(assignment, request):
+                    eng.start(assignment, request)
+                case StopDecode(assignment):
+                    eng.stop(assignment)
+                case SendToRouter(message):
+                    sent.append(message)
+
+    a, b = Assignment("a", 1), Assignment("b", 1)
+    for assignment, prompt, max_new in ((a, PROMPTS[0], 40), (b, PROMPTS[1], 6)):
+        request = GenerationRequest(assignment.request_id, prompt, max_new)
+        apply(worker.handle(FromRouterMessage(Offer("w1", 0, assignment, request)), 0.0))
+    for _ in range(3):
+        for event in eng.step():
+            apply(worker.handle(event, 0.0))
+    apply(worker.handle(FromRouterMessage(Cancel(a)), 0.0))  # the client went away
+    while eng.has_work():
+        for event in eng.step():
+            apply(worker.handle(event, 0.0))
+    a_tokens = [m.token_id for m in sent if isinstance(m, Token) and m.assignment == a]
+    b_tokens = [m.token_id for m in sent if isinstance(m, Token) and m.assignment == b]
+    assert Finished(a, "cancelled", len(a_tokens)) in sent
+    assert 1 <= len(a_tokens) <= 3  # nothing of `a` went out after its cancel
+    assert b_tokens == hf_greedy(tiny, PROMPTS[1], 6)
+    assert Finished(b, "length", 6) in sent
+    assert worker.free_slots == 2 and eng.active == 0
