@@ -225,9 +225,6 @@ class Cluster:
         packet = self.in_flight[position]
         self._send(packet.source, packet.to, packet.message)
 
-    def drop(self, position: int) -> None:
-        self.in_flight.pop(position)
-
     def decode_step(self, worker_id: str, assignment: Assignment) -> None:
         """The fake decoder emits the next token of one running assignment."""
         decode = self.decodes[worker_id][assignment]

@@ -76,12 +76,15 @@ def accept(router: Router, worker: str, a: Assignment, now: float = 0.0) -> list
 
 
 def accepted(
-    max_new: int = 8, config: RouterConfig | None = None, workers: tuple[str, ...] = ("w1",)
+    max_new: int = 8,
+    config: RouterConfig | None = None,
+    workers: tuple[str, ...] = ("w1",),
+    slots: int = 2,
 ) -> tuple[Router, Assignment]:
     """A router whose request "a" (attempt 1) has been accepted by w1."""
     router = Router(config)
     for worker in workers:
-        beat(router, worker)
+        beat(router, worker, slots=slots)
     router.handle(Submit(request("a", max_new=max_new)), 0)
     a1 = Assignment("a", 1)
     accept(router, "w1", a1)
@@ -249,11 +252,7 @@ def test_old_heartbeats_are_ignored() -> None:
 
 
 def test_client_cancel_sends_cancel_and_frees_the_slot_once() -> None:
-    router = Router()
-    beat(router, "w1", slots=1)
-    router.handle(Submit(request("a")), 0)
-    a1 = Assignment("a", 1)
-    accept(router, "w1", a1)
+    router, a1 = accepted(slots=1)
     from_worker(router, "w1", Token(a1, 0, 1))
     effects = router.handle(ClientCancel("a"), 1.0)
     assert cancels(effects) == [("w1", a1)]
@@ -326,11 +325,7 @@ def test_finish_claiming_fewer_tokens_than_delivered_is_fenced() -> None:
 
 def test_heartbeat_without_a_cancelled_assignment_releases_its_slot() -> None:
     # The worker's Finished(cancelled) was lost; its next heartbeat still shows the truth.
-    router = Router()
-    beat(router, "w1", slots=1)
-    router.handle(Submit(request("a")), 0)
-    a1 = Assignment("a", 1)
-    accept(router, "w1", a1)
+    router, a1 = accepted(slots=1)
     router.handle(ClientCancel("a"), 0.1)
     assert cancels(beat(router, "w1", now=0.2, seq=2, slots=1, active=(a1,))) == [("w1", a1)]
     assert router.statistics().workers[0].held == 1

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -192,9 +192,11 @@ class Engine:
         elif len(seq.generated) >= seq.request.max_new_tokens:
             self._finish(seq, "length", events)
 
-    def _finish(self, seq: _Sequence, reason: str, events: list[EngineEvent]) -> None:
+    def _finish(
+        self, seq: _Sequence, reason: Literal["eos", "length"], events: list[EngineEvent]
+    ) -> None:
         self.stop(seq.assignment)
-        events.append(DecodeDone(seq.assignment, reason))  # type: ignore[arg-type]
+        events.append(DecodeDone(seq.assignment, reason))
 
     def reset(self) -> list[Assignment]:
         """Forget everything (after a failed step); returns what was dropped."""
