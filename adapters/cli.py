@@ -39,6 +39,13 @@ def _parser() -> argparse.ArgumentParser:
     mutants.add_argument("--start", type=_natural, default=0)
     mutants.add_argument("--timeout", type=_positive, default=600, help="seconds per mutant")
 
+    worker = commands.add_parser(
+        "worker", help="run a worker process that serves a router over TCP"
+    )
+    from adapters import worker_command
+
+    worker_command.add_arguments(worker)
+
     bench = commands.add_parser("bench", help="print performance figures")
     benches = bench.add_subparsers(dest="bench", required=True)
     router = benches.add_parser("router", help="fenced token deliveries/s through Router.handle")
@@ -46,6 +53,13 @@ def _parser() -> argparse.ArgumentParser:
     router.add_argument("--requests", type=_positive, default=64)
     router.add_argument("--tokens", type=_positive, default=1000)
     router.add_argument("--rounds", type=_positive, default=5)
+    runtime = benches.add_parser(
+        "runtime", help="delivered tokens/s through the trio runtime, instant fake decoder"
+    )
+    runtime.add_argument("--requests", type=_positive, default=64)
+    runtime.add_argument("--tokens", type=_positive, default=500)
+    runtime.add_argument("--rounds", type=_positive, default=3)
+    runtime.add_argument("--workers", default="1,4", help="comma-separated worker counts")
     engine = benches.add_parser("engine", help="decode engine vs HF generate, tokens/s")
     engine.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
     engine.add_argument("--tokens", type=_positive, default=128, help="new tokens per request")
@@ -88,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.seed is not None:
             return sim_command.run_one(args.seed, scenario, args.trace)
         return sim_command.run_sweep(args.start, args.seeds, scenario, args.determinism_every)
+    if args.command == "worker":
+        from adapters import worker_command
+
+        return worker_command.main(args)
     if args.command == "mutants":
         from adapters import mutants as mutation_check
 
@@ -96,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         from adapters import bench_router
 
         return bench_router.main(args.workers, args.requests, args.tokens, args.rounds)
+    if args.command == "bench" and args.bench == "runtime":
+        from adapters import bench_runtime
+
+        counts = [int(n) for n in args.workers.split(",")]
+        return bench_runtime.main(args.requests, args.tokens, args.rounds, counts)
     if args.command == "bench" and args.bench == "engine":
         from adapters import bench_engine
 

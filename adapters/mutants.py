@@ -91,8 +91,8 @@ MUTANTS = (
     Mutant(
         "worker admits without a free slot",
         "core/worker.py",
-        "        if self.free_slots <= 0:\n",
-        "        if self.free_slots < -1:\n",
+        "        if self.free_slots <= 0 or self.draining:\n",
+        "        if self.free_slots < -1 or self.draining:\n",
     ),
     Mutant(
         "worker resends from the wrong index",

@@ -215,7 +215,17 @@ class FromWorkerMessage(Struct, frozen=True):
     message: FromWorker
 
 
-RouterEvent = Submit | ClientCancel | FromWorkerMessage | TimerFired
+class WorkerGone(Struct, frozen=True):
+    """The transport lost the connection of `worker_id` at `epoch` (closed, broken, or
+    dropped because it could not keep up). Faster than waiting for heartbeats to stop;
+    anything that epoch says afterwards is stale."""
+
+    worker_id: str
+    epoch: int
+    reason: str
+
+
+RouterEvent = Submit | ClientCancel | FromWorkerMessage | WorkerGone | TimerFired
 
 
 class SendToWorker(Struct, frozen=True):
@@ -283,7 +293,13 @@ class DecoderFailed(Struct, frozen=True):
     message: str = ""
 
 
-WorkerEvent = WorkerStart | FromRouterMessage | Decoded | DecodeDone | DecoderFailed | TimerFired
+class Drain(Struct, frozen=True):
+    """The worker is shutting down: decline new offers, let active assignments finish."""
+
+
+WorkerEvent = (
+    WorkerStart | FromRouterMessage | Decoded | DecodeDone | DecoderFailed | Drain | TimerFired
+)
 
 
 class SendToRouter(Struct, frozen=True):

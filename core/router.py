@@ -64,6 +64,7 @@ from core.protocol import (
     TimerFired,
     Token,
     TokenRun,
+    WorkerGone,
 )
 
 
@@ -125,7 +126,7 @@ FenceReason = Literal[
     "gap",  # token index beyond the next expected one
     "over_budget",  # token index at or past max_new_tokens, or a bad count
     "duplicate_result",  # offer answer for an assignment already accepted
-    "stale_heartbeat",  # older epoch or sequence number than already seen
+    "stale_heartbeat",  # older epoch or sequence number than already seen, or a gone epoch
     "orphan",  # worker holds an assignment nobody wants: Cancel sent
 ]
 
@@ -190,6 +191,7 @@ class _Worker:
     expires_at: float
     healthy: bool = True
     timer_deadline: float | None = None
+    gone_epoch: int = -1  # the transport lost this epoch: it may not come back
     holds: dict[Assignment, _Hold] = field(default_factory=dict)
 
 
@@ -230,6 +232,8 @@ class Router:
                 self._on_offer_timeout(assignment, out)
             case TimerFired(LivenessTimer(worker_id)):
                 self._on_liveness_timer(worker_id, out)
+            case WorkerGone(worker_id, epoch, reason):
+                self._on_worker_gone(worker_id, epoch, reason, out)
             case _:
                 raise RouterMisuse(f"router cannot handle {event!r}")
         self._dispatch_queue(out)
@@ -430,6 +434,16 @@ class Router:
         else:
             self._arm_liveness(worker, out)
 
+    def _on_worker_gone(
+        self, worker_id: str, epoch: int, reason: str, out: list[RouterEffect]
+    ) -> None:
+        worker = self._workers.get(worker_id)
+        if worker is None or epoch < worker.epoch or epoch <= worker.gone_epoch:
+            return  # never registered, or an older connection than the one we know
+        worker.gone_epoch = epoch
+        worker.healthy = False
+        self._lose_holds(worker, f"worker {worker_id} disconnected: {reason}", out)
+
     def _on_heartbeat(self, worker_id: str, beat: Heartbeat, out: list[RouterEffect]) -> None:
         if beat.worker_id != worker_id:
             self._fenced["wrong_worker"] += 1
@@ -438,7 +452,11 @@ class Router:
         if worker is None:
             worker = _Worker(worker_id, beat.epoch, beat.seq, 0, 0, 0, 0.0)
             self._workers[worker_id] = worker
-        elif beat.epoch < worker.epoch or (beat.epoch == worker.epoch and beat.seq <= worker.seq):
+        elif (
+            beat.epoch <= worker.gone_epoch
+            or beat.epoch < worker.epoch
+            or (beat.epoch == worker.epoch and beat.seq <= worker.seq)
+        ):
             self._fenced["stale_heartbeat"] += 1
             return
         elif beat.epoch > worker.epoch:

@@ -67,7 +67,7 @@ class FrameReader:
         self._max_frame_bytes = max_frame_bytes
         self.failed: WireError | None = None
 
-    def feed(self, data: bytes) -> list[AnyWireMessage | WireError]:
+    def feed(self, data: bytes | bytearray) -> list[AnyWireMessage | WireError]:
         if self.failed is not None:
             return []
         self._buffer += data

@@ -39,6 +39,7 @@ from core.protocol import (
     Decoded,
     DecodeDone,
     DecoderFailed,
+    Drain,
     Finished,
     FinishReason,
     FromRouterMessage,
@@ -101,6 +102,7 @@ class Worker:
         self._declined: Counter[str] = Counter()
         self._accepted = 0
         self._tokens_sent = 0
+        self.draining = False
 
     @property
     def free_slots(self) -> int:
@@ -126,6 +128,10 @@ class Worker:
                 out.append(SendToRouter(self._heartbeat()))
                 deadline = now + self.config.heartbeat_interval_s
                 out.append(ArmTimer(HeartbeatTimer(), deadline))
+            case Drain():
+                # Offer no capacity from now on; the next heartbeat tells the router.
+                self.draining = True
+                out.append(SendToRouter(self._heartbeat()))
             case DecoderFailed():
                 for assignment in list(self._active):
                     self._end(assignment, "failed", out)
@@ -202,7 +208,7 @@ class Worker:
                 return self._decline(offer.assignment, "stale_attempt")
             # The router moved on to a newer attempt here: the old one is dead.
             self._end(current, "cancelled", out)
-        if self.free_slots <= 0:
+        if self.free_slots <= 0 or self.draining:
             return self._decline(offer.assignment, "no_slot")
         if offer.request.context_tokens > self.config.max_context:
             return self._decline(offer.assignment, "context_length")
@@ -254,8 +260,8 @@ class Worker:
             worker_id=self.config.worker_id,
             epoch=self.config.epoch,
             seq=self._seq,
-            slots=self.config.slots,
-            free_slots=self.free_slots,
+            slots=0 if self.draining else self.config.slots,
+            free_slots=0 if self.draining else self.free_slots,
             max_context=self.config.max_context,
             active=tuple(self._active),
         )

@@ -49,6 +49,7 @@ from core.protocol import (
     ToWorker,
     WorkerEffect,
     WorkerEvent,
+    WorkerGone,
     WorkerStart,
 )
 from core.router import Router, RouterConfig
@@ -194,6 +195,10 @@ class Cluster:
         self._deadline_stale = True
         self.worker_timers[worker_id] = {}
         self.decodes[worker_id] = {}
+
+    def worker_gone(self, worker_id: str, epoch: int) -> None:
+        """The transport tells the router that this epoch's connection is gone."""
+        self._run_router(WorkerGone(worker_id, epoch, "connection closed"))
 
     def restart_worker(self, worker_id: str) -> None:
         old = self.workers[worker_id].config

@@ -85,6 +85,7 @@ class Swarm:
     slots: tuple[int, ...]
     step_s: float
     prefill_s_per_token: float
+    crash_notice_s: float | None  # the transport reports a crash this much later, or never
 
 
 def draw_swarm(rng: Random, scenario: Scenario) -> Swarm:
@@ -118,6 +119,8 @@ def draw_swarm(rng: Random, scenario: Scenario) -> Swarm:
         slots=tuple(rng.randint(1, 4) for _ in range(n)),
         step_s=rng.uniform(0.005, 0.03),
         prefill_s_per_token=rng.uniform(0.0001, 0.002),
+        # Drawn last so that adding it left every earlier draw (and old seeds) as it was.
+        crash_notice_s=rng.uniform(0.0, 0.5) if rng.random() < 0.5 else None,
     )
 
 
@@ -405,7 +408,16 @@ class Simulation:
         self._generation[worker_id] += 1
         self._decode_pending[worker_id] = False
         downtime = self._crash_downtime.pop() if self._crash_downtime else 1.0
+        notice = self.swarm.crash_notice_s
+        if notice is not None and notice < downtime:
+            epoch = self.cluster.workers[worker_id].config.epoch
+            self._push(self.cluster.now + notice, self._crash_notice, worker_id, epoch)
         self._push(self.cluster.now + downtime, self._scheduled_restart, worker_id)
+
+    def _crash_notice(self, worker_id: str, epoch: int) -> None:
+        """The connection of the crashed process is seen to close (a TCP reset)."""
+        self._fault("crash_notice", worker_id)
+        self.cluster.worker_gone(worker_id, epoch)
 
     def _restart(self, worker_id: str) -> None:
         self._trace_note(f"restart {worker_id}")

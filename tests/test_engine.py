@@ -257,3 +257,42 @@ def test_the_engine_drives_the_worker_machine_through_cancel_and_finish(
     assert b_tokens == hf_greedy(tiny, PROMPTS[1], 6)
     assert Finished(b, "length", 6) in sent
     assert worker.free_slots == 2 and eng.active == 0
+
+
+def test_the_embedded_runtime_streams_the_engine_off_the_event_loop(
+    tiny: LlamaForCausalLM,
+) -> None:
+    import trio
+
+    from adapters.runtime.controller import Controller
+    from adapters.runtime.embedded import run_local_worker
+    from adapters.runtime.worker_host import EngineDecoder
+    from tests.runtime_helpers import collect, settled, wait_until
+
+    requests = [GenerationRequest(f"r{i}", prompt, 12) for i, prompt in enumerate(PROMPTS)]
+    direct = run(engine(tiny), requests)
+
+    async def main() -> None:
+        controller = Controller()
+        decoder = EngineDecoder(engine(tiny), threads=1)
+        config = WorkerConfig("engine", slots=4, max_context=128)
+        ticks = 0
+
+        async def ticker() -> None:  # runs only if the loop is never blocked for long
+            nonlocal ticks
+            while True:
+                await trio.sleep(0.001)
+                ticks += 1
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(controller.run)
+            await nursery.start(run_local_worker, controller, config, decoder)
+            nursery.start_soon(ticker)
+            for request in requests:
+                tokens, outcome = await collect(controller.submit(request))
+                assert [*tokens, outcome.reason] == direct[request.request_id]  # type: ignore[union-attr]
+            await wait_until(controller, settled)
+            assert ticks > 0
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

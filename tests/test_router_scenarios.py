@@ -25,6 +25,7 @@ from core.protocol import (
     TimerFired,
     Token,
     TokenRun,
+    WorkerGone,
 )
 from core.router import Router, RouterConfig
 
@@ -232,6 +233,46 @@ def test_worker_lost_after_first_token_ends_the_stream_with_worker_lost() -> Non
     assert outcome.kind == "worker_lost"
     # nothing more is delivered for it, whatever arrives
     assert from_worker(router, "w1", Token(a1, 1, 2)) == []
+
+
+def test_a_lost_connection_fails_over_or_ends_streams_at_once_and_fences_its_epoch() -> None:
+    router = Router()
+    beat(router, "w1")
+    beat(router, "w2")
+    router.handle(Submit(request("a")), 0)
+    router.handle(Submit(request("b")), 0)
+    a1, b1 = Assignment("a", 1), Assignment("b", 1)
+    accept(router, "w1", a1)
+    accept(router, "w2", b1)
+    from_worker(router, "w1", Token(a1, 0, 7))  # a has a delivered token, b has none
+    router.handle(Submit(request("c")), 0)  # lands on w1 (fewest holds, then id order)
+    c1 = Assignment("c", 1)
+    accept(router, "w1", c1)
+    effects = router.handle(WorkerGone("w1", 0, "connection reset"), 0.1)
+    [outcome] = outcomes(effects)
+    assert (outcome.request_id, outcome.kind) == ("a", "worker_lost")  # type: ignore[union-attr]
+    assert [(w, o.assignment) for w, o in offers(effects)] == [("w2", Assignment("c", 2))]
+    # the gone epoch may not come back: its heartbeats and output are stale now
+    assert beat(router, "w1", now=0.2, seq=9) == []
+    assert not router.statistics().workers[0].healthy
+    assert from_worker(router, "w1", Token(c1, 0, 1)) == []
+    # a gone notice for an older connection than the current one changes nothing
+    beat(router, "w1", now=0.3, epoch=1)
+    assert router.handle(WorkerGone("w1", 0, "late notice"), 0.4) == []
+    assert router.statistics().workers[0].healthy
+
+
+def test_a_draining_worker_gets_no_offers_and_its_work_completes() -> None:
+    router, a1 = accepted(max_new=1, workers=("w1",), slots=2)
+    beat(router, "w1", seq=2, slots=0, active=(a1,))  # draining: no capacity offered
+    router.handle(Submit(request("b")), 0.1)
+    assert router.statistics().queued == 1
+    from_worker(router, "w1", Token(a1, 0, 3))
+    effects = from_worker(router, "w1", Finished(a1, "length", 1))
+    assert outcomes(effects) == [DeliverFinished("a", "length", 1)]
+    assert offers(effects) == []  # b waits for capacity elsewhere
+    [(_, outcome)] = [(0, o) for o in outcomes(router.handle(WorkerGone("w1", 0, "exit"), 1.0))]
+    assert (outcome.request_id, outcome.kind) == ("b", "no_worker")  # type: ignore[union-attr]
 
 
 def test_liveness_timer_before_expiry_rearms() -> None:

@@ -9,6 +9,7 @@ from core.protocol import (
     Decoded,
     DecodeDone,
     DecoderFailed,
+    Drain,
     Finished,
     FromRouterMessage,
     GenerationRequest,
@@ -143,6 +144,18 @@ def test_decoder_failure_ends_every_assignment() -> None:
     assert sorted(m.assignment.request_id for m in sent(effects)) == ["a", "b"]
     assert all(isinstance(m, Finished) and m.reason == "failed" for m in sent(effects))
     assert worker.free_slots == 2
+
+
+def test_drain_declines_new_offers_and_lets_active_ones_finish() -> None:
+    worker = make(slots=2, max_context=64, epoch=3)
+    offer(worker, "a", max_new=1)
+    [hb] = sent(worker.handle(Drain(), 1.0))
+    assert hb == Heartbeat("w1", 3, 1, 0, 0, 64, (Assignment("a", 1),))
+    assert answer(offer(worker, "b")).reason == "no_slot"
+    a1 = Assignment("a", 1)
+    assert sent(worker.handle(Decoded(a1, 0, 9), 1.1)) == [Token(a1, 0, 9)]
+    assert sent(worker.handle(DecodeDone(a1, "length"), 1.1)) == [Finished(a1, "length", 1)]
+    assert list(worker.holds()) == []
 
 
 def test_heartbeats_carry_epoch_sequence_capacity_and_assignments() -> None:

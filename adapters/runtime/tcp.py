@@ -1,0 +1,347 @@
+"""Remote workers over TCP: length-prefixed msgpack frames of the core's wire messages.
+
+Router side (serve_workers): every connection must open with the worker's
+Heartbeat, which names its worker id and epoch; the connection then belongs to
+that (worker id, epoch). A newer epoch replaces an older connection of the same
+worker; an older or equal one is refused. Frames pass to the controller as
+they arrive. A malformed frame, a frame of the wrong direction, or a silent
+opening closes that connection alone, with the reason logged; the controller
+then hears WorkerGone and fails over or ends that worker's assignments.
+
+Messages to a worker wait in a bounded outbox drained by one writer task; when
+the outbox is full the worker is not keeping up, and its connection is closed
+rather than allowed to grow memory.
+
+Worker side (RemoteWorker): connects, retrying with backoff; each connection is
+a fresh epoch (time-based and increasing, so a restarted process is always
+newer than the one it replaces). When a connection ends, everything its epoch
+held stops decoding, and the worker reconnects as a new epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import msgspec
+import trio
+
+from adapters.runtime.controller import Controller
+from adapters.runtime.loop import Mailbox
+from adapters.runtime.worker_host import Decoder, WorkerHost
+from core.protocol import (
+    AnyWireMessage,
+    Cancel,
+    Finished,
+    Heartbeat,
+    Offer,
+    OfferResult,
+    Resend,
+    Token,
+    TokenRun,
+)
+from core.wire import DEFAULT_MAX_FRAME_BYTES, FrameReader, WireError, encode_frame
+from core.worker import WorkerConfig
+
+log = logging.getLogger("fencepost.tcp")
+
+FROM_WORKER = (OfferResult, Token, TokenRun, Finished, Heartbeat)
+TO_WORKER = (Offer, Cancel, Resend)
+RECEIVE_BYTES = 65_536
+
+
+@dataclass(frozen=True)
+class TransportLimits:
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    send_queue_messages: int = 8_192  # per connection, each direction
+    registration_timeout_s: float = 5.0  # a new connection must heartbeat within this
+
+
+class LinkClosed(Exception):
+    """The connection ended; the message says why (for the log)."""
+
+
+class FrameStream:
+    """Whole wire messages from a byte stream; bad input ends it with LinkClosed."""
+
+    def __init__(self, stream: trio.abc.Stream, max_frame_bytes: int) -> None:
+        self.stream = stream
+        self.reader = FrameReader(max_frame_bytes)
+
+    async def receive(self) -> list[AnyWireMessage]:
+        while True:
+            try:
+                data = await self.stream.receive_some(RECEIVE_BYTES)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
+                raise LinkClosed(f"connection broken: {error}") from None
+            if not data:
+                failed = self.reader.finish()
+                raise LinkClosed(f"closed mid-frame: {failed.detail}" if failed else "closed")
+            messages: list[AnyWireMessage] = []
+            for item in self.reader.feed(data):
+                if isinstance(item, WireError):
+                    raise LinkClosed(f"{item.kind} frame: {item.detail}")
+                messages.append(item)
+            if messages:
+                return messages
+
+
+async def write_frames(stream: trio.abc.Stream, outbox: Mailbox[AnyWireMessage]) -> None:
+    """Send whatever the outbox holds, one write per batch, until it is closed."""
+    while True:
+        try:
+            batch = await outbox.take()
+        except trio.EndOfChannel:
+            return
+        await stream.send_all(b"".join(encode_frame(message) for message in batch))
+
+
+async def run_connection(
+    stream: trio.abc.Stream,
+    frames: FrameStream,
+    outbox: Mailbox[AnyWireMessage],
+    on_messages: Callable[[list[AnyWireMessage]], None],
+) -> str:
+    """Write the outbox and read frames until either direction ends; returns why.
+
+    on_messages may raise LinkClosed to end the connection (a protocol violation).
+    """
+    reason = "closed"
+
+    async def writer(scope: trio.CancelScope) -> None:
+        nonlocal reason
+        try:
+            await write_frames(stream, outbox)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
+            reason = f"send failed: {error}"
+        scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(writer, nursery.cancel_scope)
+        try:
+            while True:
+                on_messages(await frames.receive())
+        except LinkClosed as closed:
+            reason = str(closed)
+        nursery.cancel_scope.cancel()
+    return reason
+
+
+# --- router side ---
+
+
+class TcpLink:
+    """The controller's handle on one worker connection."""
+
+    def __init__(self, worker_id: str, epoch: int, limit: int) -> None:
+        self.worker_id = worker_id
+        self.epoch = epoch
+        self.outbox: Mailbox[AnyWireMessage] = Mailbox(limit)
+        self.scope = trio.CancelScope()
+        self.reason: str | None = None
+
+    def send(self, message: AnyWireMessage) -> bool:
+        return self.outbox.put(message)
+
+    def close(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+        self.outbox.close()
+        self.scope.cancel()
+
+
+async def serve_workers(
+    controller: Controller,
+    host: str,
+    port: int,
+    limits: TransportLimits | None = None,
+    *,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Accept remote workers on host:port until cancelled; reports the bound port."""
+    limits = limits or TransportLimits()
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    bound = listeners[0].socket.getsockname()[1]
+    log.info("accepting workers on %s:%d", host, bound)
+    task_status.started(bound)
+
+    async def handler(stream: trio.SocketStream) -> None:
+        await _serve_connection(controller, stream, limits)
+
+    await trio.serve_listeners(handler, listeners)
+
+
+async def _serve_connection(
+    controller: Controller, stream: trio.SocketStream, limits: TransportLimits
+) -> None:
+    try:
+        peer = "{}:{}".format(*stream.socket.getpeername()[:2])
+    except OSError:
+        peer = "unknown peer"
+    frames = FrameStream(stream, limits.max_frame_bytes)
+    link: TcpLink | None = None
+    reason = "closed"
+    try:
+        first: list[AnyWireMessage] | None = None
+        with trio.move_on_after(limits.registration_timeout_s):
+            first = await frames.receive()
+        if first is None:
+            raise LinkClosed("no heartbeat within the registration timeout")
+        hello = first[0]
+        if not isinstance(hello, Heartbeat):
+            raise LinkClosed(f"opened with {type(hello).__name__}, not a Heartbeat")
+        link = TcpLink(hello.worker_id, hello.epoch, limits.send_queue_messages)
+        if not controller.attach(link):
+            raise LinkClosed(f"worker {hello.worker_id} epoch {hello.epoch} is not newer")
+        log.info("worker %s epoch %d connected from %s", link.worker_id, link.epoch, peer)
+        _pass_to_controller(controller, link, first)
+        with link.scope:
+            reason = await run_connection(
+                stream, frames, link.outbox, partial(_pass_to_controller, controller, link)
+            )
+        reason = link.reason or reason
+    except LinkClosed as closed:
+        reason = str(closed)
+    except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
+        reason = f"connection broken: {error}"
+    finally:
+        who = f"worker {link.worker_id} epoch {link.epoch}" if link else peer
+        log.warning("connection of %s ended: %s", who, reason)
+        if link is not None:
+            link.close(reason)
+            controller.detach(link, reason)
+        with trio.CancelScope(shield=True):
+            await stream.aclose()
+
+
+def _pass_to_controller(
+    controller: Controller, link: TcpLink, messages: list[AnyWireMessage]
+) -> None:
+    for message in messages:
+        if not isinstance(message, FROM_WORKER):
+            raise LinkClosed(f"a worker sent {type(message).__name__}, a router's message")
+        controller.from_worker(link.worker_id, message)
+        if link.reason is not None:
+            raise LinkClosed(link.reason)  # closed meanwhile (replaced, or its queue filled)
+
+
+# --- worker side ---
+
+
+_last_epoch = 0
+
+
+def next_epoch() -> int:
+    """Milliseconds since 2020, and always more than the last one this process used."""
+    global _last_epoch
+    _last_epoch = max(_last_epoch + 1, int((time.time() - 1_577_836_800) * 1000))
+    return _last_epoch
+
+
+class RemoteWorker:
+    """A worker process's connection loop: connect, serve one epoch, reconnect."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        config: WorkerConfig,
+        decoder: Decoder,
+        limits: TransportLimits | None = None,
+    ) -> None:
+        self.address = (host, port)
+        self.config = config
+        self.decoder = decoder
+        self.limits = limits or TransportLimits()
+        self.host: WorkerHost | None = None
+        self.connected = trio.Event()
+        self.sessions = 0
+        self._draining = False
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.decoder.run, self._emit, self._pace)
+            backoff_s = 0.05
+            while True:
+                try:
+                    stream = await trio.open_tcp_stream(*self.address)
+                except OSError as error:
+                    log.warning("cannot reach the router at %s:%d: %s", *self.address, error)
+                    await trio.sleep(backoff_s)
+                    backoff_s = min(2.0, backoff_s * 2)
+                    continue
+                backoff_s = 0.05
+                await self._session(stream)
+
+    async def drain(self, grace_s: float) -> None:
+        """Take no new work; wait up to grace_s for held assignments to finish and go out."""
+        self._draining = True
+        if self.host is not None:
+            self.host.drain()
+        with trio.move_on_after(grace_s):
+            while self.host is None or self.host.worker.holds() or self._outbox_busy():
+                await trio.sleep(0.02)
+
+    def _outbox_busy(self) -> bool:
+        return self._outbox is not None and len(self._outbox) > 0
+
+    _outbox: Mailbox[AnyWireMessage] | None = None
+
+    async def _pace(self) -> None:
+        outbox = self._outbox
+        if outbox is not None:
+            await outbox.wait_below(outbox.limit // 2)
+
+    def _emit(self, events: list[object]) -> None:
+        if self.host is not None:
+            self.host.on_decoder_events(events)
+        # else: between connections; the new epoch never started these
+
+    async def _session(self, stream: trio.SocketStream) -> None:
+        config = msgspec.structs.replace(self.config, epoch=next_epoch())
+        outbox: Mailbox[AnyWireMessage] = Mailbox(self.limits.send_queue_messages)
+        host = WorkerHost(config, self.decoder, outbox.put)
+        frames = FrameStream(stream, self.limits.max_frame_bytes)
+        self.host, self._outbox = host, outbox
+        self.sessions += 1
+        reason = "closed"
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(host.run)
+                if self._draining:
+                    host.drain()
+                log.info(
+                    "connected to %s:%d as %s epoch %d",
+                    *self.address,
+                    config.worker_id,
+                    config.epoch,
+                )
+                self.connected.set()
+                nursery.start_soon(_cancel_when, host.uplink_failed, nursery.cancel_scope)
+                reason = await run_connection(stream, frames, outbox, partial(_pass_to_host, host))
+                nursery.cancel_scope.cancel()
+        finally:
+            if host.uplink_failed.is_set():
+                reason = "send queue full: the router is not keeping up"
+            log.warning(
+                "connection to the router ended (%s); epoch %d is over", reason, config.epoch
+            )
+            host.stop_all()
+            self.host, self._outbox = None, None
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+
+
+def _pass_to_host(host: WorkerHost, messages: list[AnyWireMessage]) -> None:
+    for message in messages:
+        if not isinstance(message, TO_WORKER):
+            raise LinkClosed(f"the router sent {type(message).__name__}, a worker's message")
+        host.from_router(message)
+
+
+async def _cancel_when(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()

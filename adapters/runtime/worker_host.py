@@ -1,0 +1,253 @@
+"""A worker under trio: the worker machine, its decoder, and its uplink to the router.
+
+WorkerHost feeds the core Worker its events (router messages, decoder output,
+heartbeat timers) one at a time and carries out its effects: messages to the
+router go to the uplink (which never waits), StartDecode and StopDecode go to
+the decoder. Two decoders are provided:
+
+- EngineDecoder: the torch engine on its own thread (adapters.engine); its
+  events come back into the trio loop with run_sync_soon, so the loop never
+  waits on a forward pass.
+- FakeDecoder: a deterministic, instant stand-in for tests and for measuring
+  the runtime's own overhead. Token k of a request is sim.cluster's
+  reference_token, so every worker agrees on every greedy or seeded output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import trio
+
+from adapters.runtime.loop import Timers
+from core.protocol import (
+    ArmTimer,
+    Assignment,
+    Decoded,
+    DecodeDone,
+    DecoderFailed,
+    DisarmTimer,
+    Drain,
+    FromRouterMessage,
+    FromWorker,
+    GenerationRequest,
+    SendToRouter,
+    StartDecode,
+    StopDecode,
+    TimerFired,
+    ToWorker,
+    WorkerEvent,
+    WorkerStart,
+)
+from core.worker import Worker, WorkerConfig
+from sim.cluster import EOS_TOKEN, reference_token
+
+log = logging.getLogger("fencepost.worker")
+
+DecoderEvent = Decoded | DecodeDone | DecoderFailed
+Emit = Callable[[list[Any]], None]
+Pace = Callable[[], Awaitable[None]]
+
+
+async def no_pace() -> None:
+    """For an uplink that never fills (the in-process one)."""
+
+
+class Decoder(Protocol):
+    def start(self, assignment: Assignment, request: GenerationRequest) -> None: ...
+
+    def stop(self, assignment: Assignment) -> None: ...
+
+    async def run(
+        self,
+        emit: Emit,
+        pace: Pace = no_pace,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Decode until cancelled, passing each step's events to `emit`.
+
+        `pace` returns once the uplink has room again; a decoder that can
+        outrun the link awaits it between steps instead of overfilling it.
+        """
+        ...
+
+
+class WorkerHost:
+    def __init__(
+        self, config: WorkerConfig, decoder: Decoder, uplink: Callable[[FromWorker], bool]
+    ) -> None:
+        self.worker = Worker(config)
+        self.decoder = decoder
+        self.timers = Timers(self._on_timer)
+        self._uplink = uplink
+        self._pending: deque[WorkerEvent] = deque()
+        self._feeding = False
+        self.uplink_failed = trio.Event()  # the uplink refused a message: reconnect
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Announce the worker (first heartbeat) and keep its heartbeats going."""
+        self.feed(WorkerStart())
+        task_status.started()
+        await self.timers.run()
+
+    def from_router(self, message: ToWorker) -> None:
+        self.feed(FromRouterMessage(message))
+
+    def on_decoder_events(self, events: list[Any]) -> None:
+        for event in events:
+            self.feed(event)
+
+    def drain(self) -> None:
+        self.feed(Drain())
+
+    def stop_all(self) -> None:
+        """The connection is gone: whatever this epoch holds stops decoding now."""
+        for assignment in list(self.worker.holds()):
+            self.decoder.stop(assignment)
+
+    def _on_timer(self, key: object) -> None:
+        self.feed(TimerFired(key))  # type: ignore[arg-type]
+
+    def feed(self, event: WorkerEvent) -> None:
+        self._pending.append(event)
+        if self._feeding:
+            return
+        self._feeding = True
+        try:
+            while self._pending:
+                now = trio.current_time()
+                for effect in self.worker.handle(self._pending.popleft(), now):
+                    match effect:
+                        case SendToRouter(message):
+                            if not self._uplink(message):
+                                self.uplink_failed.set()
+                        case StartDecode(assignment, request):
+                            self.decoder.start(assignment, request)
+                        case StopDecode(assignment):
+                            self.decoder.stop(assignment)
+                        case ArmTimer(key, deadline):
+                            self.timers.arm(key, deadline)
+                        case DisarmTimer(key):
+                            self.timers.disarm(key)
+        finally:
+            self._feeding = False
+
+
+@dataclass(slots=True)
+class _FakeRun:
+    request: GenerationRequest
+    ready_at: float  # prefill ends; the first token may come
+    index: int = 0
+
+
+class FakeDecoder:
+    """One token per running assignment per step, `step_s` apart; instant when 0.
+
+    prefill_s delays each assignment's first token (a stand-in for prompt
+    processing). With step_s = 0 it only yields to the event loop between steps,
+    which makes it an instant decoder for measuring the runtime. ignore_eos makes
+    every request run to its max_new_tokens (fixed-length streams).
+    """
+
+    def __init__(self, step_s: float = 0.0, prefill_s: float = 0.0, ignore_eos: bool = False):
+        self.step_s = step_s
+        self.prefill_s = prefill_s
+        self.ignore_eos = ignore_eos
+        self._running: dict[Assignment, _FakeRun] = {}
+        self._lot = trio.lowlevel.ParkingLot()
+        self.steps = 0
+
+    def start(self, assignment: Assignment, request: GenerationRequest) -> None:
+        self._running[assignment] = _FakeRun(request, trio.current_time() + self.prefill_s)
+        self._lot.unpark_all()
+
+    def stop(self, assignment: Assignment) -> None:
+        self._running.pop(assignment, None)
+
+    async def run(
+        self,
+        emit: Emit,
+        pace: Pace = no_pace,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        task_status.started()
+        while True:
+            await pace()
+            if not self._running:
+                await self._lot.park()
+                continue
+            now = trio.current_time()
+            ready = [(a, run) for a, run in self._running.items() if run.ready_at <= now]
+            if not ready:
+                with trio.move_on_at(min(run.ready_at for run in self._running.values())):
+                    await self._lot.park()
+                continue
+            emit(self._step(ready))
+            if self.step_s > 0:
+                await trio.sleep(self.step_s)
+            else:
+                await trio.lowlevel.checkpoint()
+
+    def _step(self, ready: list[tuple[Assignment, _FakeRun]]) -> list[Any]:
+        events: list[Any] = []
+        for assignment, run in ready:
+            token = reference_token(run.request, run.index)
+            events.append(Decoded(assignment, run.index, token))
+            run.index += 1
+            stopped = not self.ignore_eos and (
+                token == EOS_TOKEN or token in run.request.stop_token_ids
+            )
+            if stopped or run.index >= run.request.max_new_tokens:
+                del self._running[assignment]
+                events.append(DecodeDone(assignment, "eos" if stopped else "length"))
+        self.steps += 1
+        return events
+
+
+class EngineDecoder:
+    """The torch engine (adapters.engine.Engine) stepping on its own thread."""
+
+    def __init__(self, engine: Any, threads: int | None = None) -> None:
+        self.engine = engine
+        self.threads = threads
+        self._thread: Any = None
+
+    def start(self, assignment: Assignment, request: GenerationRequest) -> None:
+        self._thread.start(assignment, request)
+
+    def stop(self, assignment: Assignment) -> None:
+        self._thread.stop(assignment)
+
+    async def run(
+        self,
+        emit: Emit,
+        pace: Pace = no_pace,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        # `pace` is not consulted: a model's steps make hundreds of events a
+        # second at most, orders of magnitude below what a link drains.
+        from adapters.engine.engine import EngineThread
+
+        token = trio.lowlevel.current_trio_token()
+
+        def from_engine_thread(events: list[Any]) -> None:
+            # If the event loop is gone, so is everyone who wanted these events.
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(emit, events)
+
+        self._thread = EngineThread(self.engine, from_engine_thread, self.threads)
+        task_status.started()
+        try:
+            await trio.sleep_forever()
+        finally:
+            thread, self._thread = self._thread, None
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(thread.close)

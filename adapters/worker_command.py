@@ -1,0 +1,95 @@
+"""`fencepost worker`: one worker process serving a router over TCP.
+
+SIGTERM or SIGINT drains it: it declines new offers at once (its heartbeats
+offer no capacity), lets what it holds finish for up to --drain-timeout
+seconds, then exits 0; whatever was still running is then ended by the router
+(failed over if no token was delivered, worker_lost otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+
+import trio
+
+from adapters.runtime.tcp import RemoteWorker
+from adapters.runtime.worker_host import Decoder, EngineDecoder, FakeDecoder
+from core.worker import WorkerConfig
+
+log = logging.getLogger("fencepost.worker")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--connect", required=True, metavar="HOST:PORT", type=address)
+    parser.add_argument("--worker-id", default=None, help="default: HOSTNAME-PID")
+    parser.add_argument("--slots", type=int, default=16, help="concurrent sequences")
+    parser.add_argument("--max-context", type=int, default=2048)
+    parser.add_argument("--heartbeat-interval", type=float, default=0.5, metavar="SECONDS")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS")
+    parser.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--weights", choices=("float", "int8"), default="float")
+    parser.add_argument(
+        "--fake", action="store_true", help="a deterministic fake decoder instead of a model"
+    )
+    parser.add_argument("--fake-step-ms", type=float, default=0.0)
+    parser.add_argument("--fake-prefill-ms", type=float, default=0.0)
+    parser.add_argument("--fake-ignore-eos", action="store_true", help="fixed-length outputs")
+
+
+def address(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    decoder: Decoder
+    if args.fake:
+        decoder = FakeDecoder(
+            args.fake_step_ms / 1000, args.fake_prefill_ms / 1000, args.fake_ignore_eos
+        )
+        max_context = args.max_context
+    else:
+        from adapters.engine.engine import Engine
+        from adapters.engine.model import load_model
+        from core.batching import BatchLimits
+
+        loaded = load_model(args.model)
+        limits = BatchLimits(
+            max_seqs=args.slots, max_context=min(args.max_context, loaded.max_context)
+        )
+        engine = Engine(loaded, limits, weights=args.weights)
+        decoder = EngineDecoder(engine, args.threads)
+        max_context = limits.max_context
+    config = WorkerConfig(
+        worker_id,
+        slots=args.slots,
+        max_context=max_context,
+        heartbeat_interval_s=args.heartbeat_interval,
+    )
+    host, port = args.connect
+    worker = RemoteWorker(host, port, config, decoder)
+    trio.run(_serve, worker, args.drain_timeout)
+    return 0
+
+
+async def _serve(worker: RemoteWorker, drain_timeout_s: float) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(worker.run)
+            async for signum in signals:
+                log.info(
+                    "%s: draining for up to %.1fs", signal.Signals(signum).name, drain_timeout_s
+                )
+                await worker.drain(drain_timeout_s)
+                nursery.cancel_scope.cancel()
+                break
+    log.info("worker stopped")

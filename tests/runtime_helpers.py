@@ -1,0 +1,46 @@
+"""Shared pieces for the runtime tests: reading streams, waiting on statistics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import trio
+
+from adapters.runtime.controller import Controller, ControllerStatistics, RequestStream
+from core.protocol import DeliverError, DeliverFinished, DeliverToken
+
+
+async def collect(stream: RequestStream) -> tuple[list[int], DeliverFinished | DeliverError]:
+    """Every token of a stream, checking indices are 0, 1, 2, ...; then its outcome."""
+    tokens: list[int] = []
+    async for item in stream:
+        if isinstance(item, DeliverToken):
+            assert item.index == len(tokens), "a delivery out of order or repeated"
+            tokens.append(item.token_id)
+    assert stream.outcome is not None
+    return tokens, stream.outcome
+
+
+async def wait_until(
+    controller: Controller, check: Callable[[ControllerStatistics], bool], timeout_s: float = 10
+) -> ControllerStatistics:
+    with trio.fail_after(timeout_s):
+        while not check(stats := controller.statistics()):
+            await trio.sleep(0.01)
+    return stats
+
+
+def healthy(stats: ControllerStatistics) -> dict[str, int]:
+    """worker id -> epoch, for the workers the router considers healthy."""
+    return {w.worker_id: w.epoch for w in stats.router.workers if w.healthy}
+
+
+def settled(stats: ControllerStatistics) -> bool:
+    """No request left anywhere and no slot held: nothing leaked."""
+    router = stats.router
+    return (
+        stats.open_streams == 0
+        and not router.requests_by_phase
+        and router.queued == 0
+        and all(w.held == 0 for w in router.workers)
+    )

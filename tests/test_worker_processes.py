@@ -1,0 +1,237 @@
+"""Real worker processes over real TCP on 127.0.0.1: kill -9, restart, garbage, SIGTERM.
+
+The router (Controller plus the TCP listener) runs in the test process; each
+worker is a `fencepost worker --fake` process. The fake decoder makes a token
+every 10 ms after a 1.5 s "prefill", ignoring EOS, so a test can catch requests
+that were accepted but have no token yet, and streams that are mid-way.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from adapters.runtime.controller import Controller
+from adapters.runtime.tcp import serve_workers
+from core.protocol import (
+    Assignment,
+    DeliverError,
+    DeliverFinished,
+    GenerationRequest,
+    Heartbeat,
+    Token,
+)
+from core.router import RouterConfig
+from core.wire import encode_frame
+from sim.cluster import reference_token
+from tests.runtime_helpers import collect, healthy, settled, wait_until
+
+HEARTBEAT_TIMEOUT_S = 0.5
+CONFIG = RouterConfig(offer_timeout_s=1.0, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+PREFILL_MS = 1500
+
+
+class Workers:
+    """Spawns worker processes and makes sure none outlives the test."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    def spawn(self, port: int, worker_id: str, slots: int = 8) -> subprocess.Popen[bytes]:
+        command = [
+            sys.executable, "-m", "adapters.cli", "worker",
+            "--connect", f"127.0.0.1:{port}", "--worker-id", worker_id,
+            "--slots", str(slots), "--heartbeat-interval", "0.1", "--drain-timeout", "5",
+            "--fake", "--fake-step-ms", "10", "--fake-prefill-ms", str(PREFILL_MS),
+            "--fake-ignore-eos",
+        ]  # fmt: skip
+        log = (self.log_dir / f"{worker_id}-{len(self.processes)}.log").open("wb")
+        process = subprocess.Popen(command, stderr=log, stdout=log)
+        self.processes[f"{worker_id}-{len(self.processes)}"] = process
+        return process
+
+    def cleanup(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.kill()
+            process.wait(10)
+
+
+@pytest.fixture
+def workers(tmp_path: Path) -> Iterator[Workers]:
+    spawned = Workers(tmp_path)
+    yield spawned
+    spawned.cleanup()
+
+
+def request(name: str, max_new: int) -> GenerationRequest:
+    return GenerationRequest(name, (3, 1, 4, len(name)), max_new)
+
+
+def expected(req: GenerationRequest) -> list[int]:
+    return [reference_token(req, k) for k in range(req.max_new_tokens)]
+
+
+def live_tasks() -> int:
+    def walk(task: trio.lowlevel.Task) -> int:
+        return 1 + sum(walk(t) for n in task.child_nurseries for t in n.child_tasks)
+
+    return walk(trio.lowlevel.current_root_task())
+
+
+async def raw_connection(port: int, payload: bytes) -> bytes:
+    """Send payload on a fresh connection; what came back before the router closed it."""
+    sock = await trio.open_tcp_stream("127.0.0.1", port)
+    await sock.send_all(payload)
+    received = b""
+    with trio.fail_after(5):
+        while chunk := await sock.receive_some(4096):
+            received += chunk
+    await sock.aclose()
+    return received
+
+
+def test_kill_9_mid_stream_then_restart_with_a_new_epoch(workers: Workers) -> None:
+    async def main() -> None:
+        controller = Controller(CONFIG)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(controller.run)
+            port = await nursery.start(serve_workers, controller, "127.0.0.1", 0)
+            w1 = workers.spawn(port, "w1")
+            workers.spawn(port, "w2")
+            stats = await wait_until(controller, lambda s: len(healthy(s)) == 2, 30)
+            first_epoch = healthy(stats)["w1"]
+            baseline_tasks = live_tasks()
+
+            results: dict[str, tuple[list[int], DeliverFinished | DeliverError]] = {}
+
+            async def client(req: GenerationRequest) -> None:
+                results[req.request_id] = await collect(controller.submit(req))
+
+            long = [request(f"long-{i}", 400) for i in range(4)]  # 4 s of tokens each
+            short = [request(f"short-{i}", 30) for i in range(4)]
+            async with trio.open_nursery() as clients:
+                for req in long:
+                    clients.start_soon(client, req)
+                # every long stream has its first token (after the 1.5 s prefill) ...
+                await wait_until(
+                    controller, lambda s: s.router.requests_by_phase.get("streaming") == 4, 10
+                )
+                for req in short:
+                    clients.start_soon(client, req)
+                # ... and the short ones are accepted, still in prefill, no token yet
+                await wait_until(
+                    controller, lambda s: s.router.requests_by_phase.get("assigned") == 4, 5
+                )
+                # garbage on the worker port while all of this runs
+                assert await raw_connection(port, os.urandom(64) + b"\x00" * 8) == b""
+                killed_at = trio.current_time()
+                w1.send_signal(signal.SIGKILL)
+                lost_by = None
+                while lost_by is None:  # how long until w1's streams end
+                    await trio.sleep(0.01)
+                    lost = [r for r in results.values() if r[1].kind == "worker_lost"]  # type: ignore[union-attr]
+                    if len(lost) == 2:
+                        lost_by = trio.current_time() - killed_at
+                    assert trio.current_time() - killed_at < 5, "streams hung after the kill"
+                # new requests keep succeeding meanwhile
+                fresh = request("after-kill", 20)
+                tokens, outcome = await collect(controller.submit(fresh))
+                assert tokens == expected(fresh) and isinstance(outcome, DeliverFinished)
+
+            assert lost_by <= HEARTBEAT_TIMEOUT_S + 0.5
+            for req in long:  # half were on w1: lost mid-stream, with what they had so far
+                tokens, outcome = results[req.request_id]
+                assert tokens == expected(req)[: len(tokens)]
+                if isinstance(outcome, DeliverError):
+                    assert outcome.kind == "worker_lost" and len(tokens) > 0
+                else:
+                    assert len(tokens) == 400
+            assert sum(isinstance(results[r.request_id][1], DeliverError) for r in long) == 2
+            for req in short:  # no token yet when w1 died: completed on w2
+                tokens, outcome = results[req.request_id]
+                assert isinstance(outcome, DeliverFinished), outcome
+                assert tokens == expected(req)
+
+            stats = await wait_until(controller, settled, 5)
+            assert healthy(stats) == {"w2": healthy(stats)["w2"]}
+            assert set(stats.links) == {"w2"}
+
+            # w1 comes back: a new process, a new (larger) epoch, serving again
+            workers.spawn(port, "w1")
+            stats = await wait_until(controller, lambda s: "w1" in healthy(s), 30)
+            assert healthy(stats)["w1"] > first_epoch
+            # frames from the dead epoch are refused at the door and change nothing
+            old = Heartbeat("w1", first_epoch, 99, 8, 8, 2048)
+            late_token = Token(Assignment("long-0", 1), 5, 1)
+            assert await raw_connection(port, encode_frame(old) + encode_frame(late_token)) == b""
+            assert controller.statistics().links["w1"] == healthy(stats)["w1"]
+
+            async with trio.open_nursery() as clients:
+                again = [request(f"again-{i}", 20) for i in range(16)]
+                for req in again:
+                    clients.start_soon(client, req)
+                stats = await wait_until(
+                    controller,
+                    lambda s: all(w.held > 0 for w in s.router.workers if w.worker_id == "w1"),
+                    10,
+                )
+            for req in again:
+                tokens, outcome = results[req.request_id]
+                assert tokens == expected(req) and isinstance(outcome, DeliverFinished)
+            await wait_until(controller, settled, 5)
+            assert live_tasks() == baseline_tasks  # no task outlived its connection or request
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_sigterm_drains_a_worker_and_it_exits_0(workers: Workers) -> None:
+    async def main() -> None:
+        controller = Controller(CONFIG)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(controller.run)
+            port = await nursery.start(serve_workers, controller, "127.0.0.1", 0)
+            leaving = workers.spawn(port, "a-leaving", slots=2)  # first in id order
+            await wait_until(controller, lambda s: len(healthy(s)) == 1, 30)
+            workers.spawn(port, "b-staying", slots=2)
+            await wait_until(controller, lambda s: len(healthy(s)) == 2, 30)
+            results = {}
+
+            async def client(req: GenerationRequest) -> None:
+                results[req.request_id] = await collect(controller.submit(req))
+
+            async with trio.open_nursery() as clients:
+                running = [request(f"run-{i}", 100) for i in range(2)]  # one on each worker
+                for req in running:
+                    clients.start_soon(client, req)
+                await wait_until(
+                    controller, lambda s: s.router.requests_by_phase.get("streaming") == 2, 10
+                )
+                leaving.send_signal(signal.SIGTERM)
+                await wait_until(
+                    controller,
+                    lambda s: any(w.slots == 0 for w in s.router.workers),  # draining
+                    5,
+                )
+                later = request("later", 10)  # must not go to the draining worker
+                clients.start_soon(client, later)
+            for req in [*running, later]:
+                tokens, outcome = results[req.request_id]
+                assert isinstance(outcome, DeliverFinished), outcome
+                assert tokens == expected(req)
+            code = await trio.to_thread.run_sync(leaving.wait, 10)
+            assert code == 0
+            stats = await wait_until(controller, lambda s: set(s.links) == {"b-staying"}, 5)
+            assert settled(stats)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
