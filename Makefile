@@ -1,5 +1,5 @@
 # Two commands do everything on a fresh machine; each bootstraps .venv first.
-#   make serve   run the main job (until the HTTP server lands: a simulator sweep)
+#   make serve   serve the embedded default model, OpenAI-compatible, on 127.0.0.1:8000
 #   make test    lint, type-check and run the test suite
 PYTHON ?= python3.11
 VENV := .venv
@@ -28,7 +28,7 @@ bench: $(STAMP)
 	$(BIN)/fencepost bench router
 
 serve: $(STAMP)
-	$(BIN)/fencepost sim --seeds 200
+	$(BIN)/fencepost serve
 
 # The long pre-release sweep: three cluster shapes, roughly half an hour.
 sweep: $(STAMP)

@@ -39,6 +39,13 @@ def _parser() -> argparse.ArgumentParser:
     mutants.add_argument("--start", type=_natural, default=0)
     mutants.add_argument("--timeout", type=_positive, default=600, help="seconds per mutant")
 
+    serve = commands.add_parser(
+        "serve", help="the OpenAI-compatible HTTP server (default: embedded default model)"
+    )
+    from adapters import serve_command
+
+    serve_command.add_arguments(serve)
+
     worker = commands.add_parser(
         "worker", help="run a worker process that serves a router over TCP"
     )
@@ -102,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.seed is not None:
             return sim_command.run_one(args.seed, scenario, args.trace)
         return sim_command.run_sweep(args.start, args.seeds, scenario, args.determinism_every)
+    if args.command == "serve":
+        from adapters import serve_command
+
+        return serve_command.main(args)
     if args.command == "worker":
         from adapters import worker_command
 

@@ -41,11 +41,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fake-ignore-eos", action="store_true", help="fixed-length outputs")
 
 
-def address(text: str) -> tuple[str, int]:
+def address(text: str, lowest_port: int = 1) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not port.isdigit() or not lowest_port <= int(port) < 65536:
         raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
     return host, int(port)
+
+
+def listen_address(text: str) -> tuple[str, int]:
+    """HOST:PORT to listen on; port 0 picks a free one (the log says which)."""
+    return address(text, lowest_port=0)
 
 
 def main(args: argparse.Namespace) -> int:

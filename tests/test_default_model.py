@@ -90,3 +90,52 @@ def test_a_second_start_loads_the_dequantized_copy_with_identical_weights(
         assert torch.equal(first_state[name], second_state[name])
     prompt = chat(second, "Hello!")
     assert prompt == chat(first_load, "Hello!")
+
+
+def test_incremental_detokenizing_matches_a_full_decode_with_the_real_tokenizer(
+    first_load: LoadedModel,
+) -> None:
+    from adapters.openai.egress import IncrementalDetokenizer
+    from adapters.openai.models import ChatModel
+
+    model = ChatModel("m", first_load.tokenizer, 2048)
+    text = "Naïve café owners said 🙂 and 日本語 twice: 🙂🙂 — déjà vu."
+    ids = [int(t) for t in first_load.tokenizer.encode(text, add_special_tokens=False)]
+    assert len(ids) > len(text.split())  # some characters span several tokens
+    detok = IncrementalDetokenizer(model.decode)
+    deltas = [detok.push(t) for t in ids]
+    assert "".join(deltas) + detok.flush() == model.decode(ids) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_the_openai_sdk_gets_paris_from_the_served_default_model(first_load: LoadedModel) -> None:
+    import openai
+
+    from adapters.openai.models import ChatModel
+    from adapters.runtime.worker_host import EngineDecoder
+    from adapters.serve_command import ServeOptions
+    from tests.http_helpers import ServerThread
+
+    model = ChatModel(first_load.name, first_load.tokenizer, 512)
+    engine = Engine(first_load, BatchLimits(max_seqs=4, max_context=512))
+    options = ServeOptions(port=0, max_context=512)
+    with ServerThread(options, decoder=EngineDecoder(engine), model=model) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        done = client.chat.completions.create(
+            model=first_load.name,
+            messages=messages,
+            temperature=0,
+            max_tokens=40,  # type: ignore[arg-type]
+        )
+        answer = done.choices[0].message.content
+        assert answer is not None and "Paris" in answer
+        assert done.choices[0].finish_reason == "stop"
+        stream = client.chat.completions.create(
+            model=first_load.name,
+            messages=messages,
+            temperature=0,
+            max_tokens=40,
+            stream=True,  # type: ignore[arg-type]
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == answer

@@ -1,0 +1,59 @@
+"""Prometheus metrics for the HTTP boundary, in a registry of their own (one per app)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from adapters.runtime.controller import Controller
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "fencepost_requests",
+            "Chat completion requests by outcome (stop, length, rejected_<status>, "
+            "error_<kind>, cancelled, overflow)",
+            ["outcome"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "fencepost_prompt_tokens", "Prompt tokens of admitted requests", registry=r
+        )
+        self.completion_tokens = Counter(
+            "fencepost_completion_tokens", "Completion tokens delivered to clients", registry=r
+        )
+        self.active_streams = Gauge(
+            "fencepost_active_requests", "Requests open at the controller", registry=r
+        )
+        self.queue_depth = Gauge(
+            "fencepost_queue_depth", "Requests waiting for a worker slot", registry=r
+        )
+        self.healthy_workers = Gauge("fencepost_healthy_workers", "Healthy workers", registry=r)
+        self.slots_used = Gauge(
+            "fencepost_slots_used", "Worker slots the router counts as taken", registry=r
+        )
+        self.ttft = Histogram(
+            "fencepost_time_to_first_token_seconds",
+            "From request arrival to its first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token = Histogram(
+            "fencepost_inter_token_latency_seconds",
+            "Between consecutive tokens of one request",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        stats = self.controller.statistics()
+        self.active_streams.set(stats.open_streams)
+        self.queue_depth.set(stats.router.queued)
+        self.healthy_workers.set(sum(w.healthy for w in stats.router.workers))
+        self.slots_used.set(sum(w.held for w in stats.router.workers))
+        return generate_latest(self.registry)

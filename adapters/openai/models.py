@@ -1,0 +1,65 @@
+"""What the HTTP boundary needs from a model: its id, context, chat template, decoder.
+
+ChatModel wraps a transformers tokenizer (the one the engine was loaded
+with). FakeChatModel pairs with the runtime's FakeDecoder for tests and load
+runs: a made-up vocabulary of whole words and punctuation, a plain-text chat
+template, and no model weights at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from adapters.openai.normalize import ChatMessage
+
+
+class ServedModel(Protocol):
+    id: str
+    max_context: int
+
+    def tokenize_chat(self, messages: Sequence[ChatMessage]) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+class ChatModel:
+    def __init__(self, model_id: str, tokenizer: Any, max_context: int) -> None:
+        self.id = model_id
+        self.tokenizer = tokenizer
+        self.max_context = max_context
+
+    def tokenize_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        chat = [{"role": m.role, "content": m.content} for m in messages]
+        encoded = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+        ids = (
+            encoded["input_ids"]
+            if isinstance(encoded, dict) or hasattr(encoded, "keys")
+            else encoded
+        )
+        return [int(t) for t in ids]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+
+FAKE_WORDS = (
+    " the", " a", " fence", " post", " token", " stream", " worker", " router", " of", " and",
+    " to", " in", ",", ".", " is", " was", " déjà", " vu", " naïve", " 🙂", "\n", " quick",
+    " brown", " fox", " jumps", " over", " lazy", " dog", " 日本", " ok",
+)  # fmt: skip
+
+
+class FakeChatModel:
+    """Token id t decodes to FAKE_WORDS[t % len]; token 0 (the fake EOS) to nothing."""
+
+    def __init__(self, model_id: str = "fake", max_context: int = 4096) -> None:
+        self.id = model_id
+        self.max_context = max_context
+
+    def tokenize_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        text = "".join(f"<{m.role}>{m.content}\n" for m in messages) + "<assistant>"
+        return [1 + (ord(c) % 30_000) for c in text]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(FAKE_WORDS[t % len(FAKE_WORDS)] for t in token_ids if t != 0)

@@ -1,0 +1,253 @@
+"""normalize_chat_request: an OpenAI chat completion body in, a ChatJob or an OpenAIError out.
+
+Pure: model lookup and chat tokenization are injected, so this file decides
+what the server accepts without knowing about models, HTTP or the controller.
+What it accepts is a small, tested subset of the OpenAI API:
+
+- model; messages (system, developer, user, assistant; text content as a
+  string or a list of text parts); max_completion_tokens (max_tokens is an
+  alias; when both are given max_completion_tokens wins); stream and
+  stream_options.include_usage; temperature [0, 2]; top_p (0, 1]; stop (a
+  string or up to 4); seed.
+- Known fields whose value asks for something we do not do (n > 1, tools,
+  logprobs, images, json output, penalties, ...) are refused with 400 and
+  `param` naming the field. Unknown fields are ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+
+from adapters.openai.errors import OpenAIError, invalid
+from core.protocol import GenerationRequest, Sampling
+
+ROLES = frozenset({"system", "developer", "user", "assistant"})
+MAX_STOPS = 4
+MAX_STOP_CHARS = 256
+INT64 = 2**63
+DEFAULT_TEMPERATURE = 1.0  # the OpenAI default
+
+
+class ModelInfo(msgspec.Struct, frozen=True):
+    id: str
+    max_context: int
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str
+    content: str
+
+
+class ChatJob(msgspec.Struct, frozen=True):
+    """Everything the boundary needs to run one chat completion."""
+
+    request: GenerationRequest
+    model: str
+    stream: bool
+    include_usage: bool
+    stop: tuple[str, ...]
+
+
+ResolveModel = Callable[[str], ModelInfo | None]
+TokenizeChat = Callable[[str, Sequence[ChatMessage]], list[int]]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+# (field, predicate on a present, non-null value that means "unsupported", what to say)
+_UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("n", lambda v: not _is_int(v) or v != 1, "only n=1 is supported"),
+    ("tools", lambda v: v != [], "tools are not supported"),
+    ("tool_choice", lambda v: v != "none", "tool_choice is not supported"),
+    ("functions", lambda v: v != [], "functions are not supported"),
+    ("function_call", lambda v: v != "none", "function_call is not supported"),
+    ("parallel_tool_calls", lambda v: v is not False and v is not True, "must be a boolean"),
+    ("logprobs", lambda v: v is not False, "logprobs are not supported"),
+    ("top_logprobs", lambda v: True, "top_logprobs is not supported"),
+    ("logit_bias", lambda v: v != {}, "logit_bias is not supported"),
+    ("presence_penalty", lambda v: not _is_number(v) or v != 0, "is not supported"),
+    ("frequency_penalty", lambda v: not _is_number(v) or v != 0, "is not supported"),
+    ("audio", lambda v: True, "audio output is not supported"),
+    ("modalities", lambda v: v != ["text"], "only the text modality is supported"),
+    ("prediction", lambda v: True, "predicted outputs are not supported"),
+    ("web_search_options", lambda v: True, "web search is not supported"),
+    (
+        "response_format",
+        lambda v: not (isinstance(v, dict) and v.get("type") == "text"),
+        "only response_format {'type': 'text'} is supported",
+    ),
+)
+
+
+def normalize_chat_request(
+    body: object,
+    resolve_model: ResolveModel,
+    tokenize_chat: TokenizeChat,
+    request_id: str,
+) -> ChatJob | OpenAIError:
+    if not isinstance(body, dict):
+        return invalid("the request body must be a JSON object")
+    model_name = body.get("model")
+    if not isinstance(model_name, str) or not model_name:
+        return invalid("'model' is required and must be a non-empty string", "model")
+    for name, refused, why in _UNSUPPORTED:
+        value = body.get(name)
+        if value is not None and refused(value):
+            return invalid(f"'{name}': {why}", name)
+    messages = _messages(body.get("messages"))
+    if isinstance(messages, OpenAIError):
+        return messages
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        return invalid("'stream' must be a boolean", "stream")
+    include_usage = _include_usage(body.get("stream_options"), bool(stream))
+    if isinstance(include_usage, OpenAIError):
+        return include_usage
+    sampling = _sampling(body)
+    if isinstance(sampling, OpenAIError):
+        return sampling
+    stop = _stop(body.get("stop"))
+    if isinstance(stop, OpenAIError):
+        return stop
+    budget = _max_tokens(body)
+    if isinstance(budget, OpenAIError):
+        return budget
+
+    model = resolve_model(model_name)
+    if model is None:
+        return OpenAIError(
+            404,
+            f"the model '{model_name}' does not exist; GET /v1/models lists the served ones",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
+    prompt = tokenize_chat(model.id, messages)
+    room = model.max_context - len(prompt)
+    if room < 1 or (budget is not None and budget > room):
+        asked = f" plus {budget} completion tokens" if budget is not None else ""
+        return invalid(
+            f"this model's maximum context length is {model.max_context} tokens; the "
+            f"messages take {len(prompt)}{asked}",
+            "messages",
+            "context_length_exceeded",
+        )
+    request = GenerationRequest(
+        request_id=request_id,
+        prompt_token_ids=tuple(prompt),
+        max_new_tokens=budget if budget is not None else room,
+        sampling=sampling,
+    )
+    return ChatJob(request, model.id, bool(stream), include_usage, stop)
+
+
+def _messages(value: object) -> list[ChatMessage] | OpenAIError:
+    if not isinstance(value, list) or not value:
+        return invalid("'messages' must be a non-empty array", "messages")
+    out = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            return invalid(f"'{where}' must be an object", where)
+        role = message.get("role")
+        if role in ("tool", "function"):
+            return invalid(f"'{where}.role': the role '{role}' is not supported", f"{where}.role")
+        if role not in ROLES:
+            return invalid(
+                f"'{where}.role' must be one of {', '.join(sorted(ROLES))}", f"{where}.role"
+            )
+        for refused in ("tool_calls", "function_call", "audio"):
+            if message.get(refused) is not None:
+                return invalid(f"'{where}.{refused}' is not supported", f"{where}.{refused}")
+        content = _content(message.get("content"), f"{where}.content")
+        if isinstance(content, OpenAIError):
+            return content
+        out.append(ChatMessage(role, content))
+    return out
+
+
+def _content(value: object, where: str) -> str | OpenAIError:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        return invalid(f"'{where}' must be a string or an array of text parts", where)
+    texts = []
+    for i, part in enumerate(value):
+        if not isinstance(part, dict):
+            return invalid(f"'{where}[{i}]' must be an object", f"{where}[{i}]")
+        kind = part.get("type")
+        if kind != "text":
+            what = f"'{kind}' parts are" if isinstance(kind, str) else "this part is"
+            return invalid(f"'{where}[{i}]': {what} not supported; only text", f"{where}[{i}]")
+        text = part.get("text")
+        if not isinstance(text, str):
+            return invalid(f"'{where}[{i}].text' must be a string", f"{where}[{i}].text")
+        texts.append(text)
+    return "".join(texts)
+
+
+def _include_usage(value: object, stream: bool) -> bool | OpenAIError:
+    if value is None:
+        return False
+    if not stream:
+        return invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    if not isinstance(value, dict):
+        return invalid("'stream_options' must be an object", "stream_options")
+    include = value.get("include_usage")
+    if include is not None and not isinstance(include, bool):
+        return invalid("'stream_options.include_usage' must be a boolean", "stream_options")
+    return bool(include)
+
+
+def _sampling(body: dict[str, Any]) -> Sampling | OpenAIError:
+    temperature = body.get("temperature")
+    if temperature is None:
+        temperature = DEFAULT_TEMPERATURE
+    elif not _is_number(temperature) or not 0 <= temperature <= 2:
+        return invalid("'temperature' must be a number from 0 to 2", "temperature")
+    top_p = body.get("top_p")
+    if top_p is None:
+        top_p = 1.0
+    elif not _is_number(top_p) or not 0 < top_p <= 1:
+        return invalid("'top_p' must be a number greater than 0 and at most 1", "top_p")
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not -INT64 <= seed < INT64):
+        return invalid("'seed' must be a 64-bit integer", "seed")
+    return Sampling(float(temperature), float(top_p), seed)
+
+
+def _stop(value: object) -> tuple[str, ...] | OpenAIError:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if (
+        not isinstance(stops, list)
+        or len(stops) > MAX_STOPS
+        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)
+    ):
+        return invalid(
+            f"'stop' must be a non-empty string or an array of up to {MAX_STOPS} of them "
+            f"(each at most {MAX_STOP_CHARS} characters)",
+            "stop",
+        )
+    return tuple(dict.fromkeys(stops))
+
+
+def _max_tokens(body: dict[str, Any]) -> int | OpenAIError | None:
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not _is_int(value) or value < 1:
+            return invalid(f"'{name}' must be a positive integer", name)
+        return int(value)
+    return None

@@ -1,0 +1,392 @@
+"""The HTTP app: /v1/chat/completions, /v1/models, /health, /metrics on Quart-trio.
+
+A request is validated completely (normalize.py) before anything is sent, so
+every validation failure is an HTTP error with the OpenAI envelope. A request
+that fails at once (no worker, queue full, shutting down) is also answered
+with an HTTP error. Only after a stream has started does an error travel
+in-stream, as `data: {"error": ...}` followed by `data: [DONE]`.
+
+Streaming: a pump task (in the app's nursery) reads the request's deliveries
+as they arrive, detokenizes, applies stop strings, and puts SSE frames into a
+ClientQueue; the response body takes from that queue. The pump never waits
+for the client, so a slow reader costs only its own queue (see egress.py).
+When the client disconnects, Quart-trio cancels the response, the body is
+closed, and closing it cancels the pump, which cancels the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import trio
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from adapters.openai.egress import (
+    ClientLimits,
+    ClientOverflow,
+    ClientQueue,
+    IncrementalDetokenizer,
+    StopMatcher,
+)
+from adapters.openai.errors import OpenAIError, from_outcome, invalid
+from adapters.openai.metrics import Metrics
+from adapters.openai.models import ServedModel
+from adapters.openai.normalize import ChatJob, ChatMessage, ModelInfo, normalize_chat_request
+from adapters.runtime.controller import Controller, RequestStream
+from core.protocol import DeliverError, DeliverFinished, DeliverToken
+
+log = logging.getLogger("fencepost.http")
+
+DONE = b"data: [DONE]\n\n"
+FINISH_REASONS = {"eos": "stop", "length": "length"}
+
+
+@dataclass
+class HttpLimits:
+    max_body_bytes: int = 1024 * 1024
+    client: ClientLimits = field(default_factory=ClientLimits)
+
+
+def error_response(error: OpenAIError) -> Response:
+    return Response(
+        msgspec.json.encode(error.body()), error.status, content_type="application/json"
+    )
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status, content_type="application/json")
+
+
+class TextEgress:
+    """Token ids in, client text out: detokenizer, stop strings, and the count."""
+
+    def __init__(self, model: ServedModel, stops: tuple[str, ...]) -> None:
+        self.detokenizer = IncrementalDetokenizer(model.decode)
+        self.stop = StopMatcher(stops)
+        self.completion_tokens = 0
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop.matched is not None
+
+    def token(self, token_id: int) -> str:
+        self.completion_tokens += 1
+        return self.stop.feed(self.detokenizer.push(token_id))
+
+    def finish(self) -> str:
+        text = self.stop.feed(self.detokenizer.flush())
+        return text + self.stop.flush()
+
+
+class ChatCompletion:
+    """One chat completion request being answered: ids, timings, chunk encoding."""
+
+    def __init__(self, app: FencepostApp, job: ChatJob, stream: RequestStream) -> None:
+        self.app = app
+        self.job = job
+        self.stream = stream
+        self.id = job.request.request_id
+        self.created = int(time.time())
+        self.began = trio.current_time()
+        self.last_token_at: float | None = None
+        self.egress = TextEgress(app.models[job.model], job.stop)
+        self.outcome_recorded = False
+        base = {"id": self.id, "object": "chat.completion.chunk", "created": self.created}
+        self._base = base | {"model": job.model, "system_fingerprint": None}
+
+    def on_token(self, token_id: int) -> str:
+        now = trio.current_time()
+        metrics = self.app.metrics
+        if self.last_token_at is None:
+            metrics.ttft.observe(now - self.began)
+        else:
+            metrics.inter_token.observe(now - self.last_token_at)
+        self.last_token_at = now
+        metrics.completion_tokens.inc()
+        return self.egress.token(token_id)
+
+    def record(self, outcome: str) -> None:
+        if not self.outcome_recorded:
+            self.outcome_recorded = True
+            self.app.metrics.requests.labels(outcome).inc()
+
+    def usage(self) -> dict[str, int]:
+        prompt = len(self.job.request.prompt_token_ids)
+        completion = self.egress.completion_tokens
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    def chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        body = self._base | {"choices": [choice]}
+        if self.job.include_usage:
+            body["usage"] = None
+        return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+    def usage_chunk(self) -> bytes:
+        body = self._base | {"choices": [], "usage": self.usage()}
+        return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+    def delta_chunk(self, text: str) -> bytes:
+        return self.chunk({"content": text})
+
+
+class SSEBody:
+    """The response body of a stream: frames from the ClientQueue until it closes.
+
+    Quart closes it (aclose) when the response ends or is cancelled, which
+    stops the pump and so cancels the request.
+    """
+
+    def __init__(self, queue: ClientQueue, pump_scope: trio.CancelScope) -> None:
+        self.queue = queue
+        self.pump_scope = pump_scope
+
+    def __aiter__(self) -> SSEBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        data = await self.queue.take()  # ClientOverflow propagates: the connection is dropped
+        if not data:
+            raise StopAsyncIteration
+        return data
+
+    async def aclose(self) -> None:
+        self.pump_scope.cancel()
+
+
+class FencepostApp:
+    def __init__(
+        self,
+        controller: Controller,
+        models: Sequence[ServedModel],
+        limits: HttpLimits | None = None,
+    ) -> None:
+        self.controller = controller
+        self.models = {m.id: m for m in models}
+        self.limits = limits or HttpLimits()
+        self.metrics = Metrics(controller)
+        self.created = int(time.time())
+        self.in_flight = 0  # chat requests whose generation is not over yet
+        self._quiet = trio.lowlevel.ParkingLot()
+        self.quart = self._build()
+
+    async def wait_quiet(self) -> None:
+        """Wait until no chat request is being generated (used at shutdown)."""
+        while self.in_flight:
+            await self._quiet.park()
+
+    def _request_done(self) -> None:
+        self.in_flight -= 1
+        if not self.in_flight:
+            self._quiet.unpark_all()
+
+    def _build(self) -> QuartTrio:
+        app = QuartTrio("fencepost")
+        app.config["MAX_CONTENT_LENGTH"] = self.limits.max_body_bytes
+        app.config["RESPONSE_TIMEOUT"] = None  # streams last as long as generation does
+        app.config["BODY_TIMEOUT"] = 30
+        app.add_url_rule("/v1/chat/completions", view_func=self.chat, methods=["POST"])
+        app.add_url_rule("/v1/models", view_func=self.list_models, methods=["GET"])
+        app.add_url_rule("/v1/models/<path:model_id>", view_func=self.get_model, methods=["GET"])
+        app.add_url_rule("/health", view_func=self.health, methods=["GET"])
+        app.add_url_rule("/metrics", view_func=self.render_metrics, methods=["GET"])
+        app.register_error_handler(HTTPException, self.http_error)
+        app.register_error_handler(Exception, self.internal_error)
+        return app
+
+    # --- errors from the framework (404, 405, 413, ...) and from our own bugs ---
+
+    async def http_error(self, error: HTTPException) -> Response:
+        status = error.code or 500
+        if status == 413:
+            message = f"the request body exceeds {self.limits.max_body_bytes} bytes"
+            return error_response(OpenAIError(413, message, code="request_too_large"))
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return error_response(OpenAIError(status, error.description or error.name, kind))
+
+    async def internal_error(self, error: Exception) -> Response:
+        log.exception("unhandled error", exc_info=error)
+        return error_response(OpenAIError(500, "internal server error", "server_error"))
+
+    # --- small endpoints ---
+
+    async def list_models(self) -> Response:
+        return json_response({"object": "list", "data": [self._model(m) for m in self.models]})
+
+    async def get_model(self, model_id: str) -> Response:
+        if model_id not in self.models:
+            return error_response(_model_not_found(model_id))
+        return json_response(self._model(model_id))
+
+    def _model(self, model_id: str) -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "created": self.created, "owned_by": "fencepost"}
+
+    async def health(self) -> Response:
+        stats = self.controller.statistics().router
+        healthy = sum(w.healthy for w in stats.workers)
+        body = {"status": "ok" if healthy else "no_worker", "healthy_workers": healthy}
+        return json_response(body, 200 if healthy else 503)
+
+    async def render_metrics(self) -> Response:
+        return Response(self.metrics.render(), 200, content_type="text/plain; version=0.0.4")
+
+    # --- chat completions ---
+
+    async def chat(self) -> Response:
+        if request.mimetype != "application/json":
+            message = "the Content-Type must be application/json"
+            return self._reject(invalid(message, code="unsupported_content_type"))
+        raw = await request.get_data(cache=False)
+        try:
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError as error:
+            return self._reject(invalid(f"the request body is not valid JSON: {error}"))
+        job = normalize_chat_request(
+            body, self._resolve_model, self._tokenize_chat, f"chatcmpl-{uuid.uuid4().hex}"
+        )
+        if isinstance(job, OpenAIError):
+            return self._reject(job)
+        stream = self.controller.submit(job.request)
+        if isinstance(stream.outcome, DeliverError):  # refused at once: still an HTTP error
+            outcome = stream.outcome
+            self.metrics.requests.labels(f"error_{outcome.kind}").inc()
+            return error_response(from_outcome(outcome.kind, outcome.message))
+        self.metrics.prompt_tokens.inc(len(job.request.prompt_token_ids))
+        completion = ChatCompletion(self, job, stream)
+        self.in_flight += 1
+        if job.stream:
+            return self._start_stream(completion)  # the pump ends the request
+        try:
+            return await self._complete(completion)
+        finally:
+            self._request_done()
+
+    def _reject(self, error: OpenAIError) -> Response:
+        self.metrics.requests.labels(f"rejected_{error.status}").inc()
+        return error_response(error)
+
+    def _resolve_model(self, name: str) -> ModelInfo | None:
+        model = self.models.get(name)
+        return ModelInfo(model.id, model.max_context) if model is not None else None
+
+    def _tokenize_chat(self, model_id: str, messages: Sequence[ChatMessage]) -> list[int]:
+        return self.models[model_id].tokenize_chat(messages)
+
+    async def _complete(self, completion: ChatCompletion) -> Response:
+        text: list[str] = []
+        egress = completion.egress
+        finish_reason = "stop"
+        try:
+            async with completion.stream as stream:
+                async for item in stream:
+                    if isinstance(item, DeliverToken):
+                        text.append(completion.on_token(item.token_id))
+                        if egress.stopped:
+                            break  # leaving the block cancels the generation
+                    elif isinstance(item, DeliverFinished):
+                        text.append(egress.finish())
+                        finish_reason = "stop" if egress.stopped else FINISH_REASONS[item.reason]
+                    else:
+                        completion.record(f"error_{item.kind}")
+                        return error_response(from_outcome(item.kind, item.message))
+            completion.record(finish_reason)
+        finally:
+            completion.record("cancelled")  # a no-op unless the client went away
+        message = {"role": "assistant", "content": "".join(text), "refusal": None}
+        return json_response(
+            {
+                "id": completion.id,
+                "object": "chat.completion",
+                "created": completion.created,
+                "model": completion.job.model,
+                "system_fingerprint": None,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": message,
+                        "logprobs": None,
+                        "finish_reason": finish_reason,
+                    }
+                ],
+                "usage": completion.usage(),
+            }
+        )
+
+    def _start_stream(self, completion: ChatCompletion) -> Response:
+        queue = ClientQueue(self.limits.client, completion.delta_chunk)
+        scope = trio.CancelScope()
+        nursery: trio.Nursery = self.quart.nursery
+        nursery.start_soon(self._pump, completion, queue, scope)
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return Response(
+            SSEBody(queue, scope), 200, content_type="text/event-stream", headers=headers
+        )
+
+    async def _pump(
+        self, completion: ChatCompletion, queue: ClientQueue, scope: trio.CancelScope
+    ) -> None:
+        egress = completion.egress
+        try:
+            with scope:
+                async with completion.stream as stream:
+                    queue.put_frame(completion.chunk({"role": "assistant", "content": ""}))
+                    async for item in stream:
+                        if isinstance(item, DeliverToken):
+                            text = completion.on_token(item.token_id)
+                            if text:
+                                queue.put_delta(text)
+                            if egress.stopped:
+                                self._end_stream(completion, queue, "stop")
+                                return
+                        elif isinstance(item, DeliverFinished):
+                            text = egress.finish()
+                            if text:
+                                queue.put_delta(text)
+                            reason = "stop" if egress.stopped else FINISH_REASONS[item.reason]
+                            self._end_stream(completion, queue, reason)
+                            return
+                        else:
+                            completion.record(f"error_{item.kind}")
+                            error = from_outcome(item.kind, item.message)
+                            body = msgspec.json.encode(error.body())
+                            queue.put_frame(b"data: " + body + b"\n\n" + DONE)
+                            queue.close()
+                            return
+                        if queue.failed is not None:
+                            completion.record("overflow")
+                            log.warning("%s: %s; cancelled", completion.id, queue.failed)
+                            return
+        finally:
+            completion.record("cancelled")  # the client went away first
+            queue.close()
+            self._request_done()
+
+    def _end_stream(self, completion: ChatCompletion, queue: ClientQueue, reason: str) -> None:
+        completion.record(reason)
+        queue.put_frame(completion.chunk({}, reason))
+        if completion.job.include_usage:
+            queue.put_frame(completion.usage_chunk())
+        queue.put_frame(DONE)
+        queue.close()
+
+
+def _model_not_found(model_id: str) -> OpenAIError:
+    return OpenAIError(
+        404, f"the model '{model_id}' does not exist", "invalid_request_error", "model",
+        "model_not_found",
+    )  # fmt: skip
+
+
+__all__ = ["ClientOverflow", "FencepostApp", "HttpLimits"]

@@ -1,0 +1,206 @@
+"""`fencepost serve`: the OpenAI-compatible server, its controller and its workers.
+
+By default one process holds everything: hypercorn serving the Quart-trio
+app, the controller, and one in-process worker running the torch engine on
+the embedded default model. `--worker-listen HOST:PORT` also accepts remote
+`fencepost worker` processes (which must serve the same model);
+`--no-local-worker` leaves the serving to them. `--fake` swaps the model for
+FakeChatModel and FakeDecoder: no weights, instant tokens (tests, load runs).
+
+SIGTERM or SIGINT: stop accepting connections, refuse new requests with 503,
+let open requests finish for up to --drain-timeout seconds, cancel the rest
+(their clients get a clear error), then exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+from dataclasses import dataclass
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from adapters.openai.models import ChatModel, FakeChatModel, ServedModel
+from adapters.openai.server import FencepostApp, HttpLimits
+from adapters.runtime.controller import Controller
+from adapters.runtime.embedded import run_local_worker
+from adapters.runtime.tcp import serve_workers
+from adapters.runtime.worker_host import Decoder, EngineDecoder, FakeDecoder
+from adapters.worker_command import listen_address
+from core.router import RouterConfig
+from core.worker import WorkerConfig
+
+log = logging.getLogger("fencepost.serve")
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str | None = None
+    served_model_name: str | None = None
+    worker_listen: tuple[str, int] | None = None
+    local_worker: bool = True
+    slots: int = 16
+    max_context: int = 2048
+    threads: int | None = None
+    weights: str = "float"
+    fake: bool = False
+    fake_step_ms: float = 0.0
+    drain_timeout_s: float = 30.0
+    heartbeat_timeout_s: float = 3.0
+    limits: HttpLimits | None = None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
+    parser.add_argument("--served-model-name", default=None, help="the id clients ask for")
+    parser.add_argument("--worker-listen", type=listen_address, default=None, metavar="HOST:PORT")
+    parser.add_argument(
+        "--no-local-worker", dest="local_worker", action="store_false",
+        help="serve only through remote workers",
+    )  # fmt: skip
+    parser.add_argument("--slots", type=int, default=16, help="concurrent sequences per worker")
+    parser.add_argument("--max-context", type=int, default=2048)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--weights", choices=("float", "int8"), default="float")
+    parser.add_argument("--fake", action="store_true", help="a fake model: instant made-up words")
+    parser.add_argument("--fake-step-ms", type=float, default=0.0)
+    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS")
+    parser.add_argument("--heartbeat-timeout", type=float, default=3.0, metavar="SECONDS")
+
+
+def options_from(args: argparse.Namespace) -> ServeOptions:
+    return ServeOptions(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        served_model_name=args.served_model_name,
+        worker_listen=args.worker_listen,
+        local_worker=args.local_worker,
+        slots=args.slots,
+        max_context=args.max_context,
+        threads=args.threads,
+        weights=args.weights,
+        fake=args.fake,
+        fake_step_ms=args.fake_step_ms,
+        drain_timeout_s=args.drain_timeout,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    options = options_from(args)
+    model, decoder = build_model(options)
+    trio.run(serve_until_signalled, options, model, decoder)
+    return 0
+
+
+def build_model(options: ServeOptions) -> tuple[ServedModel, Decoder | None]:
+    """The served model's boundary half, and the decoder for an in-process worker."""
+    if options.fake:
+        name = options.served_model_name or "fake"
+        decoder = FakeDecoder(options.fake_step_ms / 1000) if options.local_worker else None
+        return FakeChatModel(name, options.max_context), decoder
+    from adapters.engine.engine import Engine
+    from adapters.engine.model import load_model
+    from core.batching import BatchLimits
+
+    loaded = load_model(options.model)
+    max_context = min(options.max_context, loaded.max_context)
+    model = ChatModel(options.served_model_name or loaded.name, loaded.tokenizer, max_context)
+    if not options.local_worker:
+        return model, None
+    engine = Engine(
+        loaded, BatchLimits(max_seqs=options.slots, max_context=max_context), options.weights
+    )
+    return model, EngineDecoder(engine, options.threads)
+
+
+async def serve_until_signalled(
+    options: ServeOptions, model: ServedModel, decoder: Decoder | None
+) -> None:
+    stop = trio.Event()
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve, options, model, decoder, stop)
+
+            async def wait_for_signal() -> None:
+                async for signum in signals:
+                    log.info("%s: shutting down", signal.Signals(signum).name)
+                    stop.set()
+                    return
+
+            nursery.start_soon(wait_for_signal)
+            await stop.wait()
+    log.info("stopped")
+
+
+@dataclass
+class Serving:
+    """What a running server reports once it is up."""
+
+    http_port: int
+    worker_port: int | None
+    controller: Controller
+    app: FencepostApp
+
+
+async def serve(
+    options: ServeOptions,
+    model: ServedModel,
+    decoder: Decoder | None,
+    stop: trio.Event,
+    *,
+    task_status: trio.TaskStatus[Serving] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until `stop` is set, then drain and return."""
+    router = RouterConfig(heartbeat_timeout_s=options.heartbeat_timeout_s, queue_limit=1024)
+    controller = Controller(router)
+    app = FencepostApp(controller, [model], options.limits)
+    config = HypercornConfig()
+    config.bind = [f"{options.host}:{options.port}"]
+    config.accesslog = None
+    config.graceful_timeout = options.drain_timeout_s + 5
+    http_stop = trio.Event()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(controller.run)
+        worker_port = None
+        if options.worker_listen is not None:
+            host, port = options.worker_listen
+            worker_port = await nursery.start(serve_workers, controller, host, port)
+        if decoder is not None:
+            worker = WorkerConfig("local", slots=options.slots, max_context=model.max_context)
+            await nursery.start(run_local_worker, controller, worker, decoder)
+        http_done = trio.Event()
+
+        async def run_http(*, task_status: trio.TaskStatus[list[str]]) -> None:
+            try:
+                await hypercorn_serve(
+                    app.quart, config, shutdown_trigger=http_stop.wait, task_status=task_status
+                )
+            finally:
+                http_done.set()
+
+        binds = await nursery.start(run_http)
+        http_port = int(binds[0].rsplit(":", 1)[1])
+        log.info("serving %s on http://%s:%d/v1", model.id, options.host, http_port)
+        task_status.started(Serving(http_port, worker_port, controller, app))
+        await stop.wait()
+        http_stop.set()  # stop accepting connections; open responses continue
+        await controller.drain(options.drain_timeout_s)
+        # Every request has its outcome now; let the responses carry it out. Idle
+        # keep-alive connections would hold hypercorn to its graceful timeout, so
+        # wait for our own requests instead, then give the last frames a moment.
+        with trio.move_on_after(5):
+            await app.wait_quiet()
+        with trio.move_on_after(1):
+            await http_done.wait()
+        nursery.cancel_scope.cancel()

@@ -1,0 +1,134 @@
+"""normalize_chat_request: what the server accepts, and the error for everything else."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from adapters.openai.errors import OpenAIError
+from adapters.openai.normalize import ChatJob, ChatMessage, ModelInfo, normalize_chat_request
+from core.protocol import Sampling
+
+MODEL = ModelInfo("m", max_context=100)
+
+
+def tokenize(model_id: str, messages: Sequence[ChatMessage]) -> list[int]:
+    # one token per character, so tests can size prompts exactly
+    return [1] * sum(len(m.content) + 2 for m in messages)
+
+
+def run(body: Any) -> ChatJob | OpenAIError:
+    return normalize_chat_request(body, {"m": MODEL}.get, tokenize, "req-1")
+
+
+def ok(**fields: Any) -> ChatJob:
+    job = run({"model": "m", "messages": [{"role": "user", "content": "hi"}]} | fields)
+    assert isinstance(job, ChatJob), job
+    return job
+
+
+def refused(**fields: Any) -> OpenAIError:
+    error = run({"model": "m", "messages": [{"role": "user", "content": "hi"}]} | fields)
+    assert isinstance(error, OpenAIError), error
+    return error
+
+
+def test_a_minimal_request_gets_openai_defaults() -> None:
+    job = ok()
+    assert job.request.prompt_token_ids == (1, 1, 1, 1)
+    assert job.request.max_new_tokens == 96  # the rest of the context
+    assert job.request.sampling == Sampling(temperature=1.0, top_p=1.0, seed=None)
+    assert (job.stream, job.include_usage, job.stop, job.model) == (False, False, (), "m")
+
+
+def test_accepted_fields_reach_the_generation_request() -> None:
+    job = ok(
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {"role": "developer", "content": [{"type": "text", "text": t} for t in "ab"]},
+            {"role": "assistant", "content": "ok", "name": "bot"},
+            {"role": "user", "content": "go"},
+        ],
+        max_tokens=7, max_completion_tokens=5, temperature=0, top_p=0.5, seed=-3,
+        stop=["x", "yz", "x"], stream=True, stream_options={"include_usage": True},
+        user="someone", metadata={"a": "b"}, unknown_field=[1, 2],
+    )  # fmt: skip
+    assert job.request.max_new_tokens == 5  # max_completion_tokens wins
+    assert job.request.sampling == Sampling(0.0, 0.5, -3)
+    assert job.stop == ("x", "yz")
+    assert job.stream and job.include_usage
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("n", 2), ("n", True), ("tools", [{"type": "function"}]), ("tool_choice", "auto"),
+        ("functions", [{"name": "f"}]), ("function_call", "auto"), ("logprobs", True),
+        ("top_logprobs", 2), ("logit_bias", {"5": 1}), ("presence_penalty", 0.5),
+        ("frequency_penalty", -1), ("audio", {"voice": "x"}), ("modalities", ["audio"]),
+        ("response_format", {"type": "json_object"}), ("response_format", "text"),
+        ("temperature", 2.5), ("temperature", -0.1), ("temperature", "hot"), ("temperature", True),
+        ("top_p", 0), ("top_p", 1.5), ("seed", 1.5), ("seed", 2**63), ("seed", "7"),
+        ("stop", ""), ("stop", ["a", "b", "c", "d", "e"]), ("stop", [1]), ("stop", {"a": 1}),
+        ("stream", "yes"), ("max_tokens", 0), ("max_tokens", True), ("max_tokens", 1.5),
+        ("max_completion_tokens", -1), ("model", ""), ("model", 5), ("messages", []),
+        ("messages", "hi"),
+    ],
+)  # fmt: skip
+def test_unsupported_or_malformed_fields_are_400_naming_the_field(field: str, value: Any) -> None:
+    error = refused(**{field: value})
+    assert (error.status, error.type, error.param) == (400, "invalid_request_error", field)
+
+
+def test_harmless_values_of_refusable_fields_are_accepted() -> None:
+    ok(n=1, tools=[], tool_choice="none", logprobs=False, presence_penalty=0,
+       response_format={"type": "text"}, modalities=["text"], parallel_tool_calls=True)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"role": "tool", "content": "x", "tool_call_id": "1"}, "messages[0].role"),
+        ({"role": "function", "content": "x", "name": "f"}, "messages[0].role"),
+        ({"role": "robot", "content": "x"}, "messages[0].role"),
+        ({"content": "x"}, "messages[0].role"),
+        ({"role": "user"}, "messages[0].content"),
+        ({"role": "user", "content": 5}, "messages[0].content"),
+        ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+         "messages[0].content[0]"),
+        ({"role": "user", "content": [{"type": "input_audio"}]}, "messages[0].content[0]"),
+        ({"role": "user", "content": [{"type": "text"}]}, "messages[0].content[0].text"),
+        ({"role": "assistant", "content": "x", "tool_calls": [{}]}, "messages[0].tool_calls"),
+        ("hello", "messages[0]"),
+    ],
+)  # fmt: skip
+def test_bad_messages_are_400_naming_the_message(message: Any, param: str) -> None:
+    error = refused(messages=[message])
+    assert (error.status, error.param) == (400, param)
+
+
+def test_stream_options_need_stream() -> None:
+    assert refused(stream_options={"include_usage": True}).param == "stream_options"
+    assert refused(stream=True, stream_options={"include_usage": "y"}).param == "stream_options"
+    assert not ok(stream=False, stream_options=None).include_usage
+
+
+def test_unknown_model_is_404_model_not_found() -> None:
+    error = refused(model="gpt-9")
+    assert (error.status, error.code, error.param) == (404, "model_not_found", "model")
+
+
+def test_prompt_plus_budget_beyond_the_context_is_context_length_exceeded() -> None:
+    assert ok(max_tokens=96).request.max_new_tokens == 96  # exactly fills the context
+    error = refused(max_tokens=97)
+    assert (error.status, error.code, error.param) == (400, "context_length_exceeded", "messages")
+    long = refused(messages=[{"role": "user", "content": "x" * 98}])  # no room for one token
+    assert long.code == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("body", [None, [], "text", 5, True])
+def test_a_body_that_is_not_an_object_is_400(body: Any) -> None:
+    error = run(body)
+    assert isinstance(error, OpenAIError) and error.status == 400

@@ -1,0 +1,97 @@
+"""`fencepost serve` as a real process: remote workers, then SIGTERM with a stream in flight."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import requests
+
+from tests.http_helpers import chat_body, sse_events
+
+
+class LogWatcher:
+    """Collects a process's stderr lines and finds values in them."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        self.process = process
+        self.lines: list[str] = []
+        assert process.stderr is not None
+        stream = process.stderr
+        threading.Thread(target=lambda: self.lines.extend(stream), daemon=True).start()
+
+    def find(self, pattern: str, timeout_s: float = 60) -> re.Match[str]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if match := re.search(pattern, line):
+                    return match
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"{pattern!r} not logged; log so far:\n{''.join(self.lines)}")
+
+
+def fencepost(*args: str) -> subprocess.Popen[str]:
+    command = [sys.executable, "-m", "adapters.cli", *args]
+    return subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+
+
+def test_serve_with_a_remote_worker_then_sigterm_drains_and_exits_0(tmp_path: Path) -> None:
+    serve = fencepost("serve", "--fake", "--fake-step-ms", "5", "--port", "0",
+                      "--worker-listen", "127.0.0.1:0", "--no-local-worker",
+                      "--heartbeat-timeout", "1", "--drain-timeout", "10")  # fmt: skip
+    worker = None
+    try:
+        log = LogWatcher(serve)
+        http_port = log.find(r"serving fake on http://127\.0\.0\.1:(\d+)/v1").group(1)
+        worker_port = log.find(r"accepting workers on 127\.0\.0\.1:(\d+)").group(1)
+        base = f"http://127.0.0.1:{http_port}"
+        assert requests.get(f"{base}/health", timeout=10).status_code == 503  # no worker yet
+        worker = fencepost("worker", "--connect", f"127.0.0.1:{worker_port}", "--fake",
+                           "--fake-step-ms", "5", "--fake-ignore-eos",
+                           "--worker-id", "remote-1")  # fmt: skip
+        deadline = time.monotonic() + 30
+        while requests.get(f"{base}/health", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, "the remote worker never registered"
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+        reply = client.chat.completions.create(
+            model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=10
+        )
+        assert reply.choices[0].message.content
+
+        # a 2 s stream is running when SIGTERM arrives: it must finish whole
+        result: dict[str, bytes] = {}
+        body = chat_body(max_tokens=400, stream=True, stream_options={"include_usage": True})
+
+        def stream() -> None:
+            url = f"{base}/v1/chat/completions"
+            result["body"] = requests.post(url, json=body, timeout=60).content
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        time.sleep(0.5)
+        serve.send_signal(signal.SIGTERM)
+        began = time.monotonic()
+        assert serve.wait(30) == 0
+        assert time.monotonic() - began < 15  # drain timeout plus a margin
+        reader.join(10)
+        events = sse_events(result["body"])
+        assert events[-1] == "[DONE]"
+        assert events[-2]["usage"]["completion_tokens"] == 400
+        with pytest.raises(requests.ConnectionError):
+            requests.get(f"{base}/health", timeout=5)
+    finally:
+        for process in (serve, worker):
+            if process is not None and process.poll() is None:
+                process.kill()
+            if process is not None:
+                process.wait(10)
