@@ -44,3 +44,15 @@ def settled(stats: ControllerStatistics) -> bool:
         and router.queued == 0
         and all(w.held == 0 for w in router.workers)
     )
+
+
+async def raw_connection(port: int, payload: bytes, timeout_s: float = 5) -> bytes:
+    """Send payload on a fresh connection; what came back before the router closed it."""
+    sock = await trio.open_tcp_stream("127.0.0.1", port)
+    await sock.send_all(payload)
+    received = b""
+    with trio.fail_after(timeout_s):
+        while chunk := await sock.receive_some(4096):
+            received += chunk
+    await sock.aclose()
+    return received

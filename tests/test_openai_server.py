@@ -365,3 +365,17 @@ def test_metrics_count_outcomes_tokens_and_latencies(server: ServerThread) -> No
         'fencepost_requests_total{outcome="rejected_400"}',
     ):
         assert name in text
+
+
+def test_a_refused_request_does_not_spoil_its_keep_alive_connection(server: ServerThread) -> None:
+    url = f"{server.base_url}/v1/chat/completions"
+    with requests.Session() as session:  # one connection, reused where the server allows
+        refused = [
+            session.post(url, data=b'{"model": "fake"}', timeout=10),  # no content type
+            session.post(url, data=b"{}" * 700_000, timeout=10,
+                         headers={"Content-Type": "application/json"}),  # too large
+            session.post(f"{server.base_url}/v1/nothing", data=b"{}" * 1000, timeout=10),
+        ]  # fmt: skip
+        assert [r.status_code for r in refused] == [400, 413, 404]
+        reply = session.post(url, json=chat_body(max_tokens=3), timeout=10)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] > 0

@@ -24,7 +24,7 @@ from core.router import RouterConfig
 from core.wire import encode_frame
 from core.worker import WorkerConfig
 from sim.cluster import reference_output, reference_token
-from tests.runtime_helpers import collect, healthy, settled, wait_until
+from tests.runtime_helpers import collect, healthy, raw_connection, settled, wait_until
 
 FAST = RouterConfig(offer_timeout_s=0.3, heartbeat_timeout_s=0.5, max_attempts=3)
 
@@ -232,15 +232,7 @@ def test_tcp_worker_serves_and_bad_connections_leave_running_streams_alone() -> 
             await trio.sleep(0.1)  # streaming now
 
             async def abuse(payload: bytes) -> bytes:
-                """Send payload on a new connection; return what came back before it closed."""
-                sock = await trio.open_tcp_stream("127.0.0.1", port)
-                await sock.send_all(payload)
-                received = b""
-                with trio.fail_after(2):
-                    while chunk := await sock.receive_some(4096):
-                        received += chunk
-                await sock.aclose()
-                return received
+                return await raw_connection(port, payload, timeout_s=2)
 
             assert await abuse(b"\xff\x00garbage" * 50) == b""  # malformed: closed
             assert await abuse(b"") == b""  # silent: closed after the registration timeout

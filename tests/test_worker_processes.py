@@ -31,7 +31,7 @@ from core.protocol import (
 from core.router import RouterConfig
 from core.wire import encode_frame
 from sim.cluster import reference_token
-from tests.runtime_helpers import collect, healthy, settled, wait_until
+from tests.runtime_helpers import collect, healthy, raw_connection, settled, wait_until
 
 HEARTBEAT_TIMEOUT_S = 0.5
 CONFIG = RouterConfig(offer_timeout_s=1.0, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
@@ -85,18 +85,6 @@ def live_tasks() -> int:
         return 1 + sum(walk(t) for n in task.child_nurseries for t in n.child_tasks)
 
     return walk(trio.lowlevel.current_root_task())
-
-
-async def raw_connection(port: int, payload: bytes) -> bytes:
-    """Send payload on a fresh connection; what came back before the router closed it."""
-    sock = await trio.open_tcp_stream("127.0.0.1", port)
-    await sock.send_all(payload)
-    received = b""
-    with trio.fail_after(5):
-        while chunk := await sock.receive_some(4096):
-            received += chunk
-    await sock.aclose()
-    return received
 
 
 def test_kill_9_mid_stream_then_restart_with_a_new_epoch(workers: Workers) -> None:

@@ -159,6 +159,8 @@ def _messages(value: object) -> list[ChatMessage] | OpenAIError:
         if not isinstance(message, dict):
             return invalid(f"'{where}' must be an object", where)
         role = message.get("role")
+        if not isinstance(role, str):
+            return invalid(f"'{where}.role' must be a string", f"{where}.role")
         if role in ("tool", "function"):
             return invalid(f"'{where}.role': the role '{role}' is not supported", f"{where}.role")
         if role not in ROLES:

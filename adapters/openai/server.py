@@ -212,9 +212,14 @@ class FencepostApp:
         status = error.code or 500
         if status == 413:
             message = f"the request body exceeds {self.limits.max_body_bytes} bytes"
-            return error_response(OpenAIError(413, message, code="request_too_large"))
-        kind = "invalid_request_error" if status < 500 else "server_error"
-        return error_response(OpenAIError(status, error.description or error.name, kind))
+            response = error_response(OpenAIError(413, message, code="request_too_large"))
+        else:
+            kind = "invalid_request_error" if status < 500 else "server_error"
+            response = error_response(OpenAIError(status, error.description or error.name, kind))
+        # The request's body may be unread (too large, or a route that takes none):
+        # the connection cannot carry another request after it.
+        response.headers["Connection"] = "close"
+        return response
 
     async def internal_error(self, error: Exception) -> Response:
         log.exception("unhandled error", exc_info=error)
@@ -245,14 +250,18 @@ class FencepostApp:
     # --- chat completions ---
 
     async def chat(self) -> Response:
+        # Read the body even when the request is refused for its content type: a
+        # body left unread would be taken for the next request on the connection.
+        raw = await request.get_data(cache=False)
         if request.mimetype != "application/json":
             message = "the Content-Type must be application/json"
             return self._reject(invalid(message, code="unsupported_content_type"))
-        raw = await request.get_data(cache=False)
         try:
             body = msgspec.json.decode(raw)
         except msgspec.DecodeError as error:
             return self._reject(invalid(f"the request body is not valid JSON: {error}"))
+        except RecursionError:
+            return self._reject(invalid("the request body is nested too deeply"))
         job = normalize_chat_request(
             body, self._resolve_model, self._tokenize_chat, f"chatcmpl-{uuid.uuid4().hex}"
         )

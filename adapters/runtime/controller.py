@@ -6,7 +6,8 @@ hands events to Router.handle one at a time, in arrival order, and carries out
 the effects: messages go to the worker's link (never waiting), timers to
 Timers, deliveries to the client's RequestStream. An input that arrives while
 effects are being carried out (a link that finds its queue full and reports the
-worker gone) is queued and handled next, so the router is never re-entered.
+worker gone) is queued and handled next (loop.Serial), so the router is never
+re-entered.
 
 The interface is free of OpenAI JSON: submit(GenerationRequest) returns a
 RequestStream of deliveries (tokens in index order, then exactly one terminal
@@ -23,7 +24,7 @@ from typing import Protocol
 import trio
 from msgspec import Struct
 
-from adapters.runtime.loop import Timers
+from adapters.runtime.loop import Serial, Timers
 from core.protocol import (
     ArmTimer,
     ClientCancel,
@@ -135,8 +136,7 @@ class Controller:
         self.timers = Timers(self._on_timer)
         self._streams: dict[str, RequestStream] = {}
         self._links: dict[str, WorkerLink] = {}
-        self._pending: deque[RouterEvent] = deque()
-        self._feeding = False
+        self._feed: Serial[RouterEvent] = Serial(self._handle)
         self._dropped: Counter[str] = Counter()
         self._accepting = True
         self._shutdown_message: str | None = None
@@ -213,28 +213,19 @@ class Controller:
     def _on_timer(self, key: Hashable) -> None:
         self._feed(TimerFired(key))  # type: ignore[arg-type]
 
-    def _feed(self, event: RouterEvent) -> None:
-        self._pending.append(event)
-        if self._feeding:
-            return  # the loop below is running further up this call stack
-        self._feeding = True
-        try:
-            while self._pending:
-                now = trio.current_time()
-                for effect in self.router.handle(self._pending.popleft(), now):
-                    match effect:
-                        case SendToWorker(worker_id, message):
-                            self._send(worker_id, message)
-                        case DeliverToken():
-                            self._streams[effect.request_id].push(effect)
-                        case DeliverFinished() | DeliverError():
-                            self._finish(effect)
-                        case ArmTimer(key, deadline):
-                            self.timers.arm(key, deadline)
-                        case DisarmTimer(key):
-                            self.timers.disarm(key)
-        finally:
-            self._feeding = False
+    def _handle(self, event: RouterEvent) -> None:
+        for effect in self.router.handle(event, trio.current_time()):
+            match effect:
+                case SendToWorker(worker_id, message):
+                    self._send(worker_id, message)
+                case DeliverToken():
+                    self._streams[effect.request_id].push(effect)
+                case DeliverFinished() | DeliverError():
+                    self._finish(effect)
+                case ArmTimer(key, deadline):
+                    self.timers.arm(key, deadline)
+                case DisarmTimer(key):
+                    self.timers.disarm(key)
 
     def _send(self, worker_id: str, message: ToWorker) -> None:
         link = self._links.get(worker_id)
@@ -244,7 +235,7 @@ class Controller:
             self._dropped["queue_full"] += 1
             del self._links[worker_id]
             link.close("send queue full: the worker is not keeping up")
-            self._pending.append(WorkerGone(worker_id, link.epoch, "send queue full"))
+            self._feed(WorkerGone(worker_id, link.epoch, "send queue full"))
 
     def _finish(self, outcome: DeliverFinished | DeliverError) -> None:
         stream = self._streams.pop(outcome.request_id)

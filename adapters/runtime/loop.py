@@ -7,6 +7,11 @@ everything queued in one batch, which keeps task switches per message low.
 
 Timers carries out the machines' ArmTimer and DisarmTimer effects: one task
 sleeps until the earliest deadline; arming a key again replaces its deadline.
+
+Serial hands events to a machine one at a time. Carrying out one event's
+effects can produce another event for the same machine (a full send queue
+becomes WorkerGone); Serial queues it and handles it after the current one,
+so a machine is never re-entered and effects run in the order returned.
 """
 
 from __future__ import annotations
@@ -20,6 +25,25 @@ from typing import Generic, TypeVar
 import trio
 
 T = TypeVar("T")
+E = TypeVar("E")
+
+
+class Serial(Generic[E]):
+    def __init__(self, step: Callable[[E], None]) -> None:
+        self._step = step
+        self._pending: deque[E] = deque()
+        self._running = False
+
+    def __call__(self, event: E) -> None:
+        self._pending.append(event)
+        if self._running:
+            return  # the loop below is running further up this call stack
+        self._running = True
+        try:
+            while self._pending:
+                self._step(self._pending.popleft())
+        finally:
+            self._running = False
 
 
 class Mailbox(Generic[T]):

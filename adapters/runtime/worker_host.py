@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import trio
 
-from adapters.runtime.loop import Timers
+from adapters.runtime.loop import Serial, Timers
 from core.protocol import (
     ArmTimer,
     Assignment,
@@ -86,8 +85,7 @@ class WorkerHost:
         self.decoder = decoder
         self.timers = Timers(self._on_timer)
         self._uplink = uplink
-        self._pending: deque[WorkerEvent] = deque()
-        self._feeding = False
+        self.feed: Serial[WorkerEvent] = Serial(self._handle)
         self.uplink_failed = trio.Event()  # the uplink refused a message: reconnect
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -114,29 +112,20 @@ class WorkerHost:
     def _on_timer(self, key: object) -> None:
         self.feed(TimerFired(key))  # type: ignore[arg-type]
 
-    def feed(self, event: WorkerEvent) -> None:
-        self._pending.append(event)
-        if self._feeding:
-            return
-        self._feeding = True
-        try:
-            while self._pending:
-                now = trio.current_time()
-                for effect in self.worker.handle(self._pending.popleft(), now):
-                    match effect:
-                        case SendToRouter(message):
-                            if not self._uplink(message):
-                                self.uplink_failed.set()
-                        case StartDecode(assignment, request):
-                            self.decoder.start(assignment, request)
-                        case StopDecode(assignment):
-                            self.decoder.stop(assignment)
-                        case ArmTimer(key, deadline):
-                            self.timers.arm(key, deadline)
-                        case DisarmTimer(key):
-                            self.timers.disarm(key)
-        finally:
-            self._feeding = False
+    def _handle(self, event: WorkerEvent) -> None:
+        for effect in self.worker.handle(event, trio.current_time()):
+            match effect:
+                case SendToRouter(message):
+                    if not self._uplink(message):
+                        self.uplink_failed.set()
+                case StartDecode(assignment, request):
+                    self.decoder.start(assignment, request)
+                case StopDecode(assignment):
+                    self.decoder.stop(assignment)
+                case ArmTimer(key, deadline):
+                    self.timers.arm(key, deadline)
+                case DisarmTimer(key):
+                    self.timers.disarm(key)
 
 
 @dataclass(slots=True)
