@@ -67,6 +67,28 @@ def _parser() -> argparse.ArgumentParser:
     runtime.add_argument("--tokens", type=_positive, default=500)
     runtime.add_argument("--rounds", type=_positive, default=3)
     runtime.add_argument("--workers", default="1,4", help="comma-separated worker counts")
+    serve_bench = benches.add_parser(
+        "serve", help="streaming clients against a served model: latency, throughput, RSS"
+    )
+    serve_bench.add_argument("--model", default=None, help="HF directory or .gguf")
+    serve_bench.add_argument("--fake", action="store_true", help="the fake model (harness check)")
+    serve_bench.add_argument("--concurrency", default="1,8,16")
+    serve_bench.add_argument("--tokens", type=_positive, default=128)
+    serve_bench.add_argument("--rounds", type=_positive, default=1, help="requests per client")
+    serve_bench.add_argument("--time-limit", type=_positive, default=600, help="seconds a run")
+    serve_bench.add_argument("--mixed", action="store_true", help="add slow and hang-up clients")
+    serve_bench.add_argument("--baselines", action="store_true", help="naive and HF servers too")
+    serve_bench.add_argument("--threads", type=_positive, default=None)
+    drill = benches.add_parser("drill", help="kill -9 a worker under load; count outcomes")
+    drill.add_argument("--model", default=None, help="real-model workers (default: fake)")
+    drill.add_argument("--clients", type=_positive, default=16)
+    drill.add_argument("--duration", type=_positive, default=20, help="seconds of load")
+    drill.add_argument("--kill-at", type=_positive, default=6, help="seconds into the load")
+    drill.add_argument("--tokens", type=_positive, default=100)
+    naive = benches.add_parser("naive-server", help="(baseline) sequential HF generate server")
+    naive.add_argument("--port", type=_positive, required=True)
+    naive.add_argument("--model", default=None)
+    naive.add_argument("--threads", type=_positive, default=None)
     engine = benches.add_parser("engine", help="decode engine vs HF generate, tokens/s")
     engine.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
     engine.add_argument("--tokens", type=_positive, default=128, help="new tokens per request")
@@ -130,6 +152,22 @@ def main(argv: list[str] | None = None) -> int:
 
         counts = [int(n) for n in args.workers.split(",")]
         return bench_runtime.main(args.requests, args.tokens, args.rounds, counts)
+    if args.command == "bench" and args.bench == "serve":
+        from adapters import bench_serve
+
+        levels = [int(n) for n in args.concurrency.split(",")]
+        return bench_serve.main(
+            args.model, args.fake, levels, args.tokens, args.rounds, args.time_limit,
+            args.mixed, args.baselines, args.threads,
+        )  # fmt: skip
+    if args.command == "bench" and args.bench == "drill":
+        from adapters import bench_drill
+
+        return bench_drill.main(args.model, args.clients, args.duration, args.kill_at, args.tokens)
+    if args.command == "bench" and args.bench == "naive-server":
+        from adapters import bench_naive
+
+        return bench_naive.main(args.port, args.model, args.threads)
     if args.command == "bench" and args.bench == "engine":
         from adapters import bench_engine
 

@@ -28,6 +28,7 @@ class StreamResult:
     completion_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    error_code: str | None = None  # the OpenAI error's code, when the server sent one
     done: bool = False  # saw data: [DONE]
     hung_up: bool = False  # this client disconnected on purpose
     elapsed_s: float = 0.0
@@ -137,6 +138,7 @@ def _on_frame(frame: bytes, result: StreamResult) -> bool:
     event = json.loads(data)
     if "error" in event:
         result.error = event["error"].get("message", "error")
+        result.error_code = event["error"].get("code")
         return False
     if event.get("usage"):
         result.completion_tokens = event["usage"]["completion_tokens"]

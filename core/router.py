@@ -157,6 +157,7 @@ class RouterStatistics(Struct, frozen=True):
     outcomes: dict[str, int]
     tokens_delivered: int
     resends_requested: int
+    retries: int  # attempts that failed before the first token and were tried again
 
 
 @dataclass(slots=True)
@@ -205,6 +206,7 @@ class Router:
         self._outcomes: Counter[str] = Counter()
         self._tokens_delivered = 0
         self._resends = 0
+        self._retries = 0
         self._now = 0.0  # the `now` of the event being handled; never read from a clock
 
     # --- the one entry point ---
@@ -261,6 +263,7 @@ class Router:
             outcomes=dict(self._outcomes),
             tokens_delivered=self._tokens_delivered,
             resends_requested=self._resends,
+            retries=self._retries,
         )
 
     def slot_usage(self) -> list[tuple[str, int, int]]:
@@ -598,6 +601,7 @@ class Router:
         if not self._fitting_workers(req):
             self._give_up(req, "no_worker", self._no_worker_message(req), out)
             return
+        self._retries += 1
         worker = self._candidate(req, exclude=failed_worker)
         if worker is None:
             self._move(req, "requeue")

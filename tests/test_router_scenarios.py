@@ -252,6 +252,7 @@ def test_a_lost_connection_fails_over_or_ends_streams_at_once_and_fences_its_epo
     [outcome] = outcomes(effects)
     assert (outcome.request_id, outcome.kind) == ("a", "worker_lost")  # type: ignore[union-attr]
     assert [(w, o.assignment) for w, o in offers(effects)] == [("w2", Assignment("c", 2))]
+    assert router.statistics().retries == 1
     # the gone epoch may not come back: its heartbeats and output are stale now
     assert beat(router, "w1", now=0.2, seq=9) == []
     assert not router.statistics().workers[0].healthy

@@ -37,6 +37,11 @@ class Metrics:
         self.slots_used = Gauge(
             "fencepost_slots_used", "Worker slots the router counts as taken", registry=r
         )
+        self.retries = Gauge(
+            "fencepost_attempt_retries",
+            "Attempts that failed before the first token and were retried (since start)",
+            registry=r,
+        )
         self.ttft = Histogram(
             "fencepost_time_to_first_token_seconds",
             "From request arrival to its first token",
@@ -56,4 +61,5 @@ class Metrics:
         self.queue_depth.set(stats.router.queued)
         self.healthy_workers.set(sum(w.healthy for w in stats.router.workers))
         self.slots_used.set(sum(w.held for w in stats.router.workers))
+        self.retries.set(stats.router.retries)
         return generate_latest(self.registry)

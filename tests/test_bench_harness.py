@@ -1,0 +1,38 @@
+"""The load and drill harnesses run end to end on the fake model and report cleanly.
+
+These check that the commands work and what they count, not how fast
+anything is: figures come from running the benches (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+
+def fencepost(*args: str, timeout_s: float = 240) -> str:
+    command = [sys.executable, "-m", "adapters.cli", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_bench_serve_mixed_run_reports_every_figure_and_leaves_nothing() -> None:
+    out = fencepost("bench", "serve", "--fake", "--concurrency", "1,4", "--tokens", "30",
+                    "--mixed", "--time-limit", "120")  # fmt: skip
+    rows = [line for line in out.splitlines() if re.match(r"\s+fencepost\b.*\d+\s*$", line)]
+    assert len(rows) >= 3  # 1, 4, and the mixed run (each printed twice: live and summary)
+    assert all(line.split()[-1] == "0" for line in rows)  # no errors
+    assert "left behind after the mixed run: 0.0 requests, 0.0 slots" in out
+    assert re.search(r"fencepost server peak RSS: \d+ MB", out)
+
+
+def test_the_worker_loss_drill_loses_only_started_streams_and_leaks_nothing() -> None:
+    out = fencepost("bench", "drill", "--clients", "6", "--duration", "6", "--kill-at", "2",
+                    "--tokens", "60")  # fmt: skip
+    kinds = dict(re.findall(r"^\s{4}(\S.*?)\s{2,}(\d+)$", out, re.MULTILINE))
+    assert set(kinds) <= {"completed", "error: worker_lost"}, out  # nothing hung, nothing else
+    assert int(kinds["completed"]) > 0
+    assert "killed worker w1" in out
+    assert "afterwards: 0 open requests, 0 slots held, 1 healthy worker(s)" in out
