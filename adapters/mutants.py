@@ -57,18 +57,29 @@ MUTANTS = (
         "        if req.active is None:\n",
     ),
     Mutant(
-        # The table would refuse streaming -> offered, so the bug widens it too.
-        "router retries after the first token",
+        "router resumes a started stream from scratch",
         "core/router.py",
-        "        if req.delivered > 0:\n            self._give_up(req, kind, message, out)",
-        "        if req.delivered > 10**9:\n            self._give_up(req, kind, message, out)",
-        also=(
-            (
-                '    (P.STREAMING, "token"): P.STREAMING,\n',
-                '    (P.STREAMING, "token"): P.STREAMING,\n    (P.STREAMING, "retry"): P.OFFERED,\n'
-                '    (P.STREAMING, "requeue"): P.RECEIVED,\n',
-            ),
-        ),
+        "        if not req.tokens:\n            return req.request\n",
+        "        if req.tokens is not None:\n            return req.request\n",
+    ),
+    Mutant(
+        "router resumes at k-1",
+        "core/router.py",
+        "output_prefix=tuple(req.tokens))",
+        "output_prefix=tuple(req.tokens[:-1]))",
+    ),
+    Mutant(
+        "router resumes at k+1",
+        "core/router.py",
+        "output_prefix=tuple(req.tokens))",
+        "output_prefix=(*req.tokens, req.tokens[-1]))",
+    ),
+    Mutant(
+        "router resumes without the sampling seed",
+        "core/router.py",
+        "output_prefix=tuple(req.tokens))",
+        "output_prefix=tuple(req.tokens),\n"
+        "                       sampling=replace(req.request.sampling, seed=None))",
     ),
     Mutant(
         "router ignores a heartbeat's new epoch",

@@ -52,6 +52,7 @@ class ServeOptions:
     fake_step_ms: float = 0.0
     drain_timeout_s: float = 30.0
     heartbeat_timeout_s: float = 3.0
+    max_resumes: int = 2
     limits: HttpLimits | None = None
 
 
@@ -73,6 +74,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fake-step-ms", type=float, default=0.0)
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS")
     parser.add_argument("--heartbeat-timeout", type=float, default=3.0, metavar="SECONDS")
+    resume = parser.add_mutually_exclusive_group()
+    resume.add_argument(
+        "--max-resumes", type=int, default=2, metavar="N",
+        help="continue a started stream on another worker up to N times (default 2)",
+    )  # fmt: skip
+    resume.add_argument(
+        "--no-resume", dest="max_resumes", action="store_const", const=0,
+        help="a started stream that loses its worker ends with worker_lost",
+    )  # fmt: skip
 
 
 def options_from(args: argparse.Namespace) -> ServeOptions:
@@ -91,6 +101,7 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
         fake_step_ms=args.fake_step_ms,
         drain_timeout_s=args.drain_timeout,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        max_resumes=args.max_resumes,
     )
 
 
@@ -161,7 +172,11 @@ async def serve(
     task_status: trio.TaskStatus[Serving] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until `stop` is set, then drain and return."""
-    router = RouterConfig(heartbeat_timeout_s=options.heartbeat_timeout_s, queue_limit=1024)
+    router = RouterConfig(
+        heartbeat_timeout_s=options.heartbeat_timeout_s,
+        queue_limit=1024,
+        max_resumes=options.max_resumes,
+    )
     controller = Controller(router)
     app = FencepostApp(controller, [model], options.limits)
     config = HypercornConfig()

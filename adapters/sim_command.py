@@ -51,7 +51,7 @@ def _print_result_line(result: SimResult) -> None:
         f"{result.tokens_delivered} tokens delivered, {result.events} events, "
         f"virtual time {result.virtual_time_s:.2f}s"
     )
-    print(f"  outcomes: {_counts(result.outcomes)}")
+    print(f"  outcomes: {_counts(result.outcomes)}; streams resumed: {result.resumes}")
     print(f"  faults injected: {_counts(result.faults)}")
     print(f"  messages fenced: {_counts(result.fenced)}")
 
@@ -63,6 +63,7 @@ def _print_summary(summary: SweepSummary, elapsed_s: float) -> None:
     print(f"requests {summary.requests}, tokens delivered {summary.tokens_delivered}")
     print(f"events {summary.events}")
     print(f"outcomes: {_counts(summary.outcomes)}")
+    print(f"streams resumed after their first token: {summary.resumes}")
     print(f"faults injected by kind: {_counts(summary.faults)}")
     print(f"messages fenced by kind: {_counts(summary.fenced)}")
     print(f"determinism: {summary.determinism_checked} seeds ran twice, trace hashes compared")

@@ -52,13 +52,20 @@ class Sampling(Struct, frozen=True):
 
 
 class GenerationRequest(Struct, frozen=True):
-    """What the router schedules: token ids in, token ids out. No JSON, no text."""
+    """What the router schedules: token ids in, token ids out. No JSON, no text.
+
+    output_prefix makes it a continuation: the first k output tokens (indices
+    0..k-1) are already with the client; the worker takes them as context and
+    generates from index k, within the same max_new_tokens budget and with the
+    same sampling, so an undisturbed run and a resumed one agree token for token.
+    """
 
     request_id: RequestId
     prompt_token_ids: tuple[TokenId, ...]
     max_new_tokens: Positive
     sampling: Sampling = Sampling()
     stop_token_ids: tuple[TokenId, ...] = ()
+    output_prefix: tuple[TokenId, ...] = ()
 
     def __post_init__(self) -> None:
         # Checked here (not only by Meta) so that requests built in memory are
@@ -67,6 +74,8 @@ class GenerationRequest(Struct, frozen=True):
             raise ValueError("prompt_token_ids must not be empty")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
+        if len(self.output_prefix) > self.max_new_tokens:
+            raise ValueError("output_prefix is longer than max_new_tokens")
 
     @property
     def context_tokens(self) -> int:

@@ -14,8 +14,14 @@ for tokens, carries index == tokens already delivered. Anything else (a
 duplicate, a gap, a reordered or stale message, anything after a terminal
 outcome) is dropped and counted in statistics(). Before the first token has
 been delivered, a failed attempt (decline, offer timeout, worker loss, failed
-finish) is retried on another worker; after it, worker loss ends the stream
-with the `worker_lost` error.
+finish) is retried on another worker. After it, a lost attempt is *resumed*:
+the router knows exactly which tokens the client has (it delivered them), so
+it offers a continuation, the same request with those tokens as
+`output_prefix`, as a new attempt; the new worker generates from index k, the
+fence expects index k, and the client's stream simply goes on. Resumes are
+bounded by `max_resumes` (0 restores the plain contract: a started stream that
+loses its worker ends with `worker_lost`). A failed finish (the decoder broke
+on this request) is not resumed.
 
 Slots: the router counts, per worker, the assignments it believes the worker
 holds ("holds"). A hold is taken when an offer is sent and released when the
@@ -37,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from msgspec import Struct
+from msgspec.structs import replace
 
 from core.protocol import (
     ArmTimer,
@@ -112,6 +119,8 @@ TRANSITIONS: dict[tuple[Phase, Input], Phase] = {
     (P.STREAMING, "token"): P.STREAMING,
     (P.STREAMING, "finish"): P.COMPLETED,
     (P.STREAMING, "give_up"): P.FAILED,
+    (P.STREAMING, "retry"): P.OFFERED,  # resumed: the continuation is offered
+    (P.STREAMING, "requeue"): P.RECEIVED,  # resumed: waits for a slot
     (P.STREAMING, "cancel"): P.CANCELLED,
 }
 """(phase, input) -> next phase. A pair missing here is a bug in this file."""
@@ -137,6 +146,7 @@ class RouterConfig(Struct, frozen=True):
     resend_interval_s: float = 0.1  # at most one Resend per request this often
     max_attempts: int = 3
     queue_limit: int = 256
+    max_resumes: int = 2  # continuations after the first token; 0 = never resume
 
 
 class WorkerView(Struct, frozen=True):
@@ -158,6 +168,7 @@ class RouterStatistics(Struct, frozen=True):
     tokens_delivered: int
     resends_requested: int
     retries: int  # attempts that failed before the first token and were tried again
+    resumes: int  # continuations offered after the first token
 
 
 @dataclass(slots=True)
@@ -168,6 +179,8 @@ class _Request:
     active: Assignment | None = None
     worker_id: str | None = None
     delivered: int = 0
+    tokens: list[int] = field(default_factory=list)  # what the client has, for a resume
+    resumes: int = 0
     tried: set[str] = field(default_factory=set)
     finish: Finished | None = None  # a finish that arrived before all its tokens
     resend_at: float | None = None  # when the last Resend for it was sent
@@ -207,6 +220,7 @@ class Router:
         self._tokens_delivered = 0
         self._resends = 0
         self._retries = 0
+        self._resumes_total = 0
         self._now = 0.0  # the `now` of the event being handled; never read from a clock
 
     # --- the one entry point ---
@@ -264,6 +278,7 @@ class Router:
             tokens_delivered=self._tokens_delivered,
             resends_requested=self._resends,
             retries=self._retries,
+            resumes=self._resumes_total,
         )
 
     def slot_usage(self) -> list[tuple[str, int, int]]:
@@ -309,7 +324,10 @@ class Router:
         end = run.start_index + len(run.token_ids)
         if req is None or not self._is_next(req, run.start_index, end, out):
             return
-        for index in range(req.delivered, end):
+        budget_end = min(end, req.request.max_new_tokens)
+        if budget_end < end:
+            self._fenced["over_budget"] += 1  # a run past the budget: the excess is dropped
+        for index in range(req.delivered, budget_end):
             if req.phase in TERMINAL:
                 return  # a pending Finished completed it; the rest is over its count
             self._deliver(req, run.token_ids[index - run.start_index], out)
@@ -334,6 +352,7 @@ class Router:
             self._accept(req, out)
         self._move(req, "token")
         out.append(DeliverToken(req.request.request_id, req.delivered, token_id))
+        req.tokens.append(token_id)
         req.delivered += 1
         self._tokens_delivered += 1
         if req.finish is not None and req.delivered == req.finish.completion_tokens:
@@ -560,12 +579,16 @@ class Router:
         req.worker_id = worker.worker_id
         req.tried.add(worker.worker_id)
         worker.holds[assignment] = _Hold(req.request.request_id)
-        out.append(
-            SendToWorker(
-                worker.worker_id, Offer(worker.worker_id, worker.epoch, assignment, req.request)
-            )
-        )
+        offer = Offer(worker.worker_id, worker.epoch, assignment, self._attempt_request(req))
+        out.append(SendToWorker(worker.worker_id, offer))
         out.append(ArmTimer(OfferTimer(assignment), self._now + self.config.offer_timeout_s))
+
+    @staticmethod
+    def _attempt_request(req: _Request) -> GenerationRequest:
+        """The request as the next attempt should run it: from index k if k tokens are out."""
+        if not req.tokens:
+            return req.request
+        return replace(req.request, output_prefix=tuple(req.tokens))
 
     def _dispatch_queue(self, out: list[RouterEffect]) -> None:
         """Offer queued requests in FIFO order while their head can be placed."""
@@ -590,7 +613,7 @@ class Router:
         req.worker_id = None
         req.finish = None
         if req.delivered > 0:
-            self._give_up(req, kind, message, out)  # the seed contract: no mid-stream retry
+            self._resume(req, kind, message, failed_worker, out)
             return
         if req.attempt >= self.config.max_attempts:
             # Nothing reached the client, so no worker was lost *to it*: no worker could serve it.
@@ -602,6 +625,37 @@ class Router:
             self._give_up(req, "no_worker", self._no_worker_message(req), out)
             return
         self._retries += 1
+        self._place_again(req, failed_worker, out)
+
+    def _resume(
+        self,
+        req: _Request,
+        kind: ErrorKind,
+        message: str,
+        failed_worker: str | None,
+        out: list[RouterEffect],
+    ) -> None:
+        """A started stream lost its attempt: continue it from the delivered prefix.
+
+        Even with every token delivered (only the Finished went missing) the
+        continuation is offered: the new worker ends it at once, with the reason
+        (eos or length) that only a decoder can tell.
+        """
+        if kind == "failed" or req.resumes >= self.config.max_resumes:
+            lost: ErrorKind = "failed" if kind == "failed" else "worker_lost"
+            self._give_up(req, lost, message, out)
+            return
+        if not self._fitting_workers(req):
+            self._give_up(req, "worker_lost", f"{message}; no worker can continue it", out)
+            return
+        req.resumes += 1
+        self._resumes_total += 1
+        self._place_again(req, failed_worker, out)
+
+    def _place_again(
+        self, req: _Request, failed_worker: str | None, out: list[RouterEffect]
+    ) -> None:
+        """Offer the next attempt, preferring another worker, or queue it at the front."""
         worker = self._candidate(req, exclude=failed_worker)
         if worker is None:
             self._move(req, "requeue")

@@ -212,7 +212,9 @@ class Worker:
             return self._decline(offer.assignment, "no_slot")
         if offer.request.context_tokens > self.config.max_context:
             return self._decline(offer.assignment, "context_length")
-        self._active[offer.assignment] = _Active(offer.request.max_new_tokens)
+        # A continuation's output so far counts as sent: its next index is k.
+        prefix = list(offer.request.output_prefix)
+        self._active[offer.assignment] = _Active(offer.request.max_new_tokens, prefix)
         self._accepted += 1
         out.append(StartDecode(offer.assignment, offer.request))
         return OfferResult(self.config.worker_id, self.config.epoch, offer.assignment, True)

@@ -7,20 +7,23 @@ to duplicate, when a decoder makes a step and when time advances. The cluster
 executes the machines' effects faithfully and records what every client saw,
 so the oracles in check_safety() can judge the run after every step.
 
-The fake decoder is deterministic: token k of a request is a pure function of
-the prompt, the sampling seed and k (reference_token), so every attempt of a
-greedy or seeded request, on any worker, produces the same output, and the
-client's stream must always be a prefix of reference_output(). Unseeded
-sampling (temperature > 0, no seed) is modelled as what it is on real
-hardware: each attempt draws a different sequence (the attempt number salts
-the function), so a client may see any one attempt's output, never a mix.
+The fake decoder is deterministic and autoregressive, like a real one: token
+k is a pure function of the prompt, the sampling seed, k and every output
+token before k (FakeContext), so every attempt of a greedy or seeded request,
+on any worker, produces the same output, and the client's stream must always
+be a prefix of reference_output(). A continuation (a request with an
+output_prefix) takes the prefix as context and so goes on exactly where the
+client is. Unseeded sampling (temperature > 0, no seed) is modelled as what
+it is on real hardware: each attempt draws a different sequence (the attempt
+number salts the function), so a client sees one attempt's output, or, after a
+resume, one attempt's prefix continued by a later attempt given that prefix.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Literal, cast
 
 from core.protocol import (
     ArmTimer,
@@ -66,22 +69,56 @@ def diverges(request: GenerationRequest) -> bool:
     return request.sampling.temperature > 0 and request.sampling.seed is None
 
 
-def reference_token(request: GenerationRequest, index: int, salt: int = 0) -> int:
-    """The fake decoder's token at `index`: a pure function of prompt, seed, index, salt."""
-    mix = 0x9E3779B97F4A7C15 ^ (request.sampling.seed or 0) & _MASK
-    mix = ((mix ^ salt) * 0x100000001B3) & _MASK
-    for token in request.prompt_token_ids:
-        mix = ((mix ^ token) * 0x100000001B3) & _MASK
-    mix = ((mix ^ index) * 0xFF51AFD7ED558CCD) & _MASK
-    mix ^= mix >> 29
-    return EOS_TOKEN if mix % EOS_ONE_IN == 0 else 1 + mix % (VOCAB - 1)
+class FakeContext:
+    """The fake model's state: prompt, seed and salt, then each output token fed back."""
+
+    __slots__ = ("index", "state")
+
+    def __init__(
+        self, request: GenerationRequest, salt: int = 0, prefix: tuple[int, ...] | None = None
+    ) -> None:
+        mix = 0x9E3779B97F4A7C15 ^ (request.sampling.seed or 0) & _MASK
+        mix = ((mix ^ salt) * 0x100000001B3) & _MASK
+        for token in request.prompt_token_ids:
+            mix = ((mix ^ token) * 0x100000001B3) & _MASK
+        self.state = mix
+        self.index = 0
+        for token in request.output_prefix if prefix is None else prefix:
+            self.feed(token)
+
+    def next_token(self) -> int:
+        """The token at `index`, given everything fed so far (does not feed it)."""
+        mix = ((self.state ^ self.index) * 0xFF51AFD7ED558CCD) & _MASK
+        mix ^= mix >> 29
+        return EOS_TOKEN if mix % EOS_ONE_IN == 0 else 1 + mix % (VOCAB - 1)
+
+    def feed(self, token: int) -> None:
+        self.state = ((self.state ^ (token + 1)) * 0x100000001B3) & _MASK
+        self.index += 1
 
 
-def reference_output(request: GenerationRequest, salt: int = 0) -> tuple[list[int], str]:
-    """What an undisturbed run returns: the tokens and the finish reason."""
-    tokens: list[int] = []
-    for index in range(request.max_new_tokens):
-        token = reference_token(request, index, salt)
+def reference_tokens(request: GenerationRequest, count: int, salt: int = 0) -> list[int]:
+    """The first `count` tokens the fake model produces, EOS or not."""
+    context = FakeContext(request, salt)
+    tokens = []
+    for _ in range(count):
+        tokens.append(context.next_token())
+        context.feed(tokens[-1])
+    return tokens
+
+
+def reference_output(
+    request: GenerationRequest, salt: int = 0, prefix: tuple[int, ...] = ()
+) -> tuple[list[int], str]:
+    """What an undisturbed run returns, the tokens and the finish reason; with a
+    prefix, what a continuation from those tokens returns (prefix included)."""
+    context = FakeContext(request, salt, prefix)
+    tokens = list(prefix)
+    if tokens and tokens[-1] == EOS_TOKEN:
+        return tokens, "eos"
+    while len(tokens) < request.max_new_tokens:
+        token = context.next_token()
+        context.feed(token)
         tokens.append(token)
         if token == EOS_TOKEN:
             return tokens, "eos"
@@ -119,7 +156,11 @@ class Decode:
 
     request: GenerationRequest
     started_at: float
-    next_index: int = 0
+    context: FakeContext  # starts after a continuation's prefix
+
+    @property
+    def next_index(self) -> int:
+        return self.context.index
 
 
 class Cluster:
@@ -204,8 +245,14 @@ class Cluster:
         old = self.workers[worker_id].config
         self.start_worker(worker_id, old.epoch + 1, old.slots)
 
+    @property
+    def max_salt(self) -> int:
+        """The highest attempt number a request can reach (retries, then resumes)."""
+        config = self.router.config
+        return config.max_attempts + config.max_resumes
+
     def submit(self, request: GenerationRequest) -> None:
-        salts = range(1, self.router.config.max_attempts + 1) if diverges(request) else [0]
+        salts = range(1, self.max_salt + 1) if diverges(request) else [0]
         references = {salt: reference_output(request, salt) for salt in salts}
         self.streams[request.request_id] = ClientStream(request, references)
         self._run_router(Submit(request))
@@ -234,9 +281,17 @@ class Cluster:
         """The fake decoder emits the next token of one running assignment."""
         decode = self.decodes[worker_id][assignment]
         index = decode.next_index
-        salt = assignment.attempt if diverges(decode.request) else 0
-        token = reference_token(decode.request, index, salt)
-        decode.next_index += 1
+        prefix = decode.request.output_prefix
+        if index == len(prefix) > 0 and (
+            prefix[-1] == EOS_TOKEN or index >= decode.request.max_new_tokens
+        ):
+            # A continuation of an output that had already ended: nothing to add.
+            self.decodes[worker_id].pop(assignment, None)
+            reason: Literal["eos", "length"] = "eos" if prefix[-1] == EOS_TOKEN else "length"
+            self._run_worker(worker_id, DecodeDone(assignment, reason))
+            return
+        token = decode.context.next_token()
+        decode.context.feed(token)
         self._run_worker(worker_id, Decoded(assignment, index, token))
         if token == EOS_TOKEN or decode.next_index >= decode.request.max_new_tokens:
             self.decodes[worker_id].pop(assignment, None)
@@ -333,11 +388,22 @@ class Cluster:
             case DeliverToken(_, index, token_id):
                 if index != len(stream.tokens):
                     self.violations.append(f"{rid}: index {index} after {len(stream.tokens)}")
-                stream.references = {
+                matching = {
                     salt: (ref, why)
                     for salt, (ref, why) in stream.references.items()
                     if index < len(ref) and ref[index] == token_id
                 }
+                if not matching and diverges(stream.request) and stream.tokens:
+                    # Resumed on a newer attempt, which draws its own tokens from here.
+                    newest = max(stream.references, default=0)
+                    prefix = tuple(stream.tokens)
+                    matching = {
+                        salt: cont
+                        for salt in range(newest + 1, self.max_salt + 1)
+                        if (cont := reference_output(stream.request, salt, prefix))[0][index]
+                        == token_id
+                    }
+                stream.references = matching
                 if not stream.references:
                     self.violations.append(f"{rid}: token {token_id} at {index} is foreign")
                 stream.tokens.append(token_id)
@@ -380,7 +446,9 @@ class Cluster:
             case SendToRouter(message):
                 self._send(worker_id, None, message)
             case StartDecode(assignment, request):
-                self.decodes[worker_id][assignment] = Decode(request, self.now)
+                salt = assignment.attempt if diverges(request) else 0
+                context = FakeContext(request, salt)
+                self.decodes[worker_id][assignment] = Decode(request, self.now, context)
             case StopDecode(assignment):
                 self.decodes[worker_id].pop(assignment, None)
             case ArmTimer(key, deadline):

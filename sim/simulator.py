@@ -135,6 +135,7 @@ class SimResult:
     outcomes: Counter[str]
     faults: Counter[str]
     fenced: Counter[str]
+    resumes: int = 0  # streams continued on another worker after their first token
     trace_hash: str | None = None
     trace_tail: list[str] = field(default_factory=list)
 
@@ -512,6 +513,7 @@ class Simulation:
             outcomes=outcomes,
             faults=self.faults,
             fenced=fenced,
+            resumes=stats.resumes,
             trace_hash=self._hash.hexdigest() if self._hash is not None else None,
             trace_tail=list(self._tail),
         )

@@ -25,6 +25,7 @@ class SweepSummary:
     outcomes: Counter[str] = field(default_factory=Counter)
     faults: Counter[str] = field(default_factory=Counter)
     fenced: Counter[str] = field(default_factory=Counter)
+    resumes: int = 0
     determinism_checked: int = 0
     failure: SimResult | None = None
 
@@ -36,6 +37,7 @@ class SweepSummary:
         self.outcomes.update(result.outcomes)
         self.faults.update(result.faults)
         self.fenced.update(result.fenced)
+        self.resumes += result.resumes
 
 
 def replay_command(seed: int, scenario: Scenario | None = None) -> str:

@@ -84,4 +84,7 @@ def sse_events(raw: bytes) -> list[Any]:
 
 
 def chat_body(content: str = "hello", **fields: Any) -> dict[str, Any]:
-    return {"model": "fake", "messages": [{"role": "user", "content": content}]} | fields
+    """A chat request; greedy unless told otherwise, so the fake model's answer is known
+    (a sampled request without a seed gets a random one at the server)."""
+    body = {"model": "fake", "messages": [{"role": "user", "content": content}], "temperature": 0}
+    return body | fields

@@ -139,3 +139,17 @@ def test_the_openai_sdk_gets_paris_from_the_served_default_model(first_load: Loa
             stream=True,  # type: ignore[arg-type]
         )
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == answer
+
+
+def test_a_greedy_continuation_on_the_real_model_equals_the_undisturbed_run(
+    first_load: LoadedModel,
+) -> None:
+    # What a resumed stream relies on: prefilling prompt + delivered tokens and
+    # going on gives what decoding them one by one gave (fp32, this CPU).
+    prompt = chat(first_load, "Write a short story about a lighthouse keeper.")
+    whole = GenerationRequest("w", prompt, 60)
+    full = generate(Engine(first_load, BatchLimits(max_seqs=4, max_context=512)), [whole])["w"]
+    for k in (1, 17, 45):
+        cont = GenerationRequest("c", prompt, 60, output_prefix=tuple(full[:k]))
+        eng = Engine(first_load, BatchLimits(max_seqs=4, max_context=512))
+        assert full[:k] + generate(eng, [cont])["c"] == full

@@ -296,3 +296,34 @@ def test_the_embedded_runtime_streams_the_engine_off_the_event_loop(
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(0.9, 0.95, seed=3)])
+def test_a_continuation_from_k_equals_the_uninterrupted_run(
+    tiny: LlamaForCausalLM, sampling: Sampling
+) -> None:
+    whole = GenerationRequest("w", PROMPTS[0], 20, sampling)
+    full = run(engine(tiny), [whole])["w"]
+    assert full[-1] == "length"
+    for k in (1, 7, 19):
+        prefix = tuple(int(t) for t in full[:k])  # type: ignore[arg-type]
+        cont = GenerationRequest("c", PROMPTS[0], 20, sampling, output_prefix=prefix)
+        eng = engine(tiny)
+        eng.start(Assignment("c", 2), cont)
+        events = []
+        while eng.has_work():
+            events += eng.step()
+        decoded = [e for e in events if isinstance(e, Decoded)]
+        assert [e.index for e in decoded] == list(range(k, 20))  # it goes on at index k
+        assert [e.token_id for e in decoded] == full[k:20]
+
+
+def test_a_continuation_of_an_ended_output_ends_at_once(tiny: LlamaForCausalLM) -> None:
+    eng = engine(tiny, eos=frozenset({5}))
+    eng.start(Assignment("a", 2), GenerationRequest("a", (1, 2), 3, output_prefix=(9, 9, 9)))
+    eng.start(Assignment("b", 2), GenerationRequest("b", (1, 2), 9, output_prefix=(9, 5)))
+    assert eng.step() == [
+        DecodeDone(Assignment("a", 2), "length"),
+        DecodeDone(Assignment("b", 2), "eos"),
+    ]
+    assert not eng.has_work()

@@ -20,7 +20,7 @@ from adapters.openai.server import HttpLimits
 from adapters.runtime.worker_host import FakeDecoder
 from adapters.serve_command import ServeOptions
 from core.protocol import DecoderFailed, GenerationRequest
-from sim.cluster import reference_output, reference_token
+from sim.cluster import reference_output, reference_tokens
 from tests.http_helpers import ServerThread, chat_body, sse_events
 
 MODEL = FakeChatModel("fake", 2048)
@@ -31,7 +31,7 @@ def expected(content: str, max_tokens: int, ignore_eos: bool = False) -> tuple[s
     prompt = tuple(MODEL.tokenize_chat([ChatMessage("user", content)]))
     request = GenerationRequest("x", prompt, max_tokens)
     if ignore_eos:
-        tokens = [reference_token(request, k) for k in range(max_tokens)]
+        tokens = reference_tokens(request, max_tokens)
         return MODEL.decode(tokens), "length", max_tokens
     tokens, reason = reference_output(request)
     return MODEL.decode(tokens), "stop" if reason == "eos" else "length", len(tokens)
@@ -316,13 +316,13 @@ def test_the_official_openai_sdk_works_with_only_base_url_changed(server: Server
     text, finish, _ = expected("sdk", 30)
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
     completion = client.chat.completions.create(
-        model="fake", messages=[{"role": "user", "content": "sdk"}], max_tokens=30
+        model="fake", messages=[{"role": "user", "content": "sdk"}], max_tokens=30, temperature=0
     )
     assert completion.choices[0].message.content == text
     assert completion.choices[0].finish_reason == finish
     chunks = list(client.chat.completions.create(
         model="fake", messages=[{"role": "user", "content": "sdk"}], max_tokens=30, stream=True,
-        stream_options={"include_usage": True},
+        stream_options={"include_usage": True}, temperature=0,
     ))  # fmt: skip
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
@@ -337,12 +337,13 @@ def test_the_official_openai_sdk_works_with_only_base_url_changed(server: Server
     async def use_async() -> tuple[str | None, str]:
         aclient = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
         done = await aclient.chat.completions.create(
-            model="fake", messages=[{"role": "user", "content": "sdk"}], max_tokens=30
-        )
+            model="fake", messages=[{"role": "user", "content": "sdk"}], max_tokens=30,
+            temperature=0,
+        )  # fmt: skip
         streamed = ""
         async for chunk in await aclient.chat.completions.create(
             model="fake", messages=[{"role": "user", "content": "sdk"}], max_tokens=30,
-            stream=True,
+            stream=True, temperature=0,
         ):  # fmt: skip
             streamed += chunk.choices[0].delta.content or ""
         await aclient.close()
@@ -379,3 +380,18 @@ def test_a_refused_request_does_not_spoil_its_keep_alive_connection(server: Serv
         assert [r.status_code for r in refused] == [400, 413, 404]
         reply = session.post(url, json=chat_body(max_tokens=3), timeout=10)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] > 0
+
+
+def test_sampled_requests_without_a_seed_get_one_and_differ(server: ServerThread) -> None:
+    # Each gets its own seed (so a resumed stream can draw what its first worker
+    # would have); with the same explicit seed the answer repeats.
+    texts = [post(server, chat_body("dice", max_tokens=30, temperature=1.0)).json()
+             for _ in range(2)]  # fmt: skip
+    assert (
+        texts[0]["choices"][0]["message"]["content"]
+        != (texts[1]["choices"][0]["message"]["content"])
+    )
+    seeded = [post(server, chat_body("dice", max_tokens=30, temperature=1.0, seed=7)).json()
+              for _ in range(2)]  # fmt: skip
+    contents = {r["choices"][0]["message"]["content"] for r in seeded}
+    assert len(contents) == 1

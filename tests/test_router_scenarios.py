@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from msgspec.structs import replace
+
 from core.protocol import (
     ArmTimer,
     Assignment,
@@ -20,6 +22,7 @@ from core.protocol import (
     OfferTimer,
     Resend,
     RouterEffect,
+    Sampling,
     SendToWorker,
     Submit,
     TimerFired,
@@ -222,8 +225,9 @@ def test_heartbeat_expiry_before_first_token_fails_over() -> None:
     assert not router.statistics().workers[0].healthy
 
 
-def test_worker_lost_after_first_token_ends_the_stream_with_worker_lost() -> None:
-    router, a1 = accepted(config=RouterConfig(heartbeat_timeout_s=3.0), workers=("w1", "w2"))
+def test_without_resume_worker_lost_after_first_token_ends_the_stream() -> None:
+    config = RouterConfig(heartbeat_timeout_s=3.0, max_resumes=0)  # --no-resume
+    router, a1 = accepted(config=config, workers=("w1", "w2"))
     from_worker(router, "w1", Token(a1, 0, 1))
     beat(router, "w2", now=2.5, seq=2)
     effects = router.handle(TimerFired(LivenessTimer("w1")), 3.0)
@@ -236,7 +240,7 @@ def test_worker_lost_after_first_token_ends_the_stream_with_worker_lost() -> Non
 
 
 def test_a_lost_connection_fails_over_or_ends_streams_at_once_and_fences_its_epoch() -> None:
-    router = Router()
+    router = Router(RouterConfig(max_resumes=0))
     beat(router, "w1")
     beat(router, "w2")
     router.handle(Submit(request("a")), 0)
@@ -422,3 +426,77 @@ def test_missing_finished_is_asked_for_again_before_the_attempt_is_given_up() ->
     assert outcomes(from_worker(router, "w1", Finished(a1, "eos", 2))) == [
         DeliverFinished("a", "eos", 2)
     ]
+
+
+def test_a_started_stream_whose_worker_is_lost_resumes_from_the_delivered_prefix() -> None:
+    request_a = GenerationRequest("a", (1, 2, 3), 5, Sampling(0.8, 0.9, 42), (7,))
+    router = Router(RouterConfig(max_resumes=1))
+    beat(router, "w1")
+    beat(router, "w2")
+    router.handle(Submit(request_a), 0)
+    a1 = Assignment("a", 1)
+    accept(router, "w1", a1)
+    from_worker(router, "w1", Token(a1, 0, 11))
+    from_worker(router, "w1", Token(a1, 1, 12))
+    effects = router.handle(WorkerGone("w1", 0, "reset"), 0.5)
+    assert outcomes(effects) == []  # the client sees no error
+    [(worker, offer)] = offers(effects)
+    assert (worker, offer.assignment) == ("w2", Assignment("a", 2))
+    # the same request, seed and all, with what the client already has as its prefix
+    assert offer.request == replace(request_a, output_prefix=(11, 12))
+    a2 = offer.assignment
+    accept(router, "w2", a2, 0.6)
+    assert from_worker(router, "w2", Token(a2, 1, 99)) == []  # index 1 is delivered: fenced
+    delivered = [from_worker(router, "w2", Token(a2, i, 20 + i)) for i in (2, 3, 4)]
+    assert [d[0] for d in delivered] == [DeliverToken("a", i, 20 + i) for i in (2, 3, 4)]
+    done = from_worker(router, "w2", Finished(a2, "length", 5))
+    assert outcomes(done) == [DeliverFinished("a", "length", 5)]
+    stats = router.statistics()
+    assert (stats.resumes, stats.retries, stats.fenced["duplicate"]) == (1, 0, 1)
+
+
+def test_resumes_are_bounded_then_worker_lost() -> None:
+    router = Router(RouterConfig(max_resumes=1))
+    for worker in ("w1", "w2", "w3"):
+        beat(router, worker)
+    router.handle(Submit(request("a")), 0)
+    a1 = Assignment("a", 1)
+    accept(router, "w1", a1)
+    from_worker(router, "w1", Token(a1, 0, 5))
+    [(_, offer)] = offers(router.handle(WorkerGone("w1", 0, "reset"), 0.1))
+    a2 = offer.assignment
+    accept(router, offer.worker_id, a2)
+    from_worker(router, offer.worker_id, Token(a2, 1, 6))
+    effects = router.handle(WorkerGone(offer.worker_id, 0, "reset"), 0.2)
+    assert offers(effects) == []
+    [outcome] = outcomes(effects)
+    assert (outcome.request_id, outcome.kind) == ("a", "worker_lost")  # type: ignore[union-attr]
+
+
+def test_a_failed_decoder_after_the_first_token_is_not_resumed() -> None:
+    router, a1 = accepted(workers=("w1", "w2"))
+    from_worker(router, "w1", Token(a1, 0, 5))
+    effects = from_worker(router, "w1", Finished(a1, "failed", 1))
+    assert offers(effects) == []
+    assert outcomes(effects)[0].kind == "failed"  # type: ignore[union-attr]
+
+
+def test_a_stream_with_every_token_delivered_is_resumed_for_its_finish() -> None:
+    router, a1 = accepted(max_new=2, workers=("w1", "w2"))
+    from_worker(router, "w1", Token(a1, 0, 5))
+    from_worker(router, "w1", Token(a1, 1, 6))  # the budget is spent; Finished never comes
+    [(worker, offer)] = offers(router.handle(WorkerGone("w1", 0, "reset"), 0.1))
+    assert offer.request.output_prefix == (5, 6)
+    a2 = offer.assignment
+    done = from_worker(router, worker, Finished(a2, "length", 2))  # ends at once
+    assert outcomes(done) == [DeliverFinished("a", "length", 2)]
+
+
+def test_a_token_run_past_the_budget_delivers_only_up_to_the_budget() -> None:
+    router, a1 = accepted(max_new=2)
+    effects = from_worker(router, "w1", TokenRun(a1, 0, (5, 6, 7, 8)))
+    assert [e for e in effects if isinstance(e, DeliverToken)] == [
+        DeliverToken("a", 0, 5),
+        DeliverToken("a", 1, 6),
+    ]
+    assert router.statistics().fenced["over_budget"] == 1

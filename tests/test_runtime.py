@@ -23,7 +23,7 @@ from core.protocol import (
 from core.router import RouterConfig
 from core.wire import encode_frame
 from core.worker import WorkerConfig
-from sim.cluster import reference_output, reference_token
+from sim.cluster import reference_output, reference_tokens
 from tests.runtime_helpers import collect, healthy, raw_connection, settled, wait_until
 
 FAST = RouterConfig(offer_timeout_s=0.3, heartbeat_timeout_s=0.5, max_attempts=3)
@@ -245,7 +245,7 @@ def test_tcp_worker_serves_and_bad_connections_leave_running_streams_alone() -> 
 
             for i, stream in enumerate(streams):
                 tokens, outcome = await collect(stream)
-                assert tokens == [reference_token(request(i), k) for k in range(200)]
+                assert tokens == reference_tokens(request(i), 200)
                 assert isinstance(outcome, DeliverFinished)
             stats = await wait_until(controller, settled)
             assert stats.router.fenced.get("wrong_worker", 0) == 0

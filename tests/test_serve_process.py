@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -91,6 +92,75 @@ def test_serve_with_a_remote_worker_then_sigterm_drains_and_exits_0(tmp_path: Pa
             requests.get(f"{base}/health", timeout=5)
     finally:
         for process in (serve, worker):
+            if process is not None and process.poll() is None:
+                process.kill()
+            if process is not None:
+                process.wait(10)
+
+
+def start_cluster(*serve_flags: str) -> tuple[subprocess.Popen[str], LogWatcher, str, str]:
+    serve = fencepost("serve", "--fake", "--port", "0", "--worker-listen", "127.0.0.1:0",
+                      "--no-local-worker", "--heartbeat-timeout", "1", *serve_flags)  # fmt: skip
+    log = LogWatcher(serve)
+    http_port = log.find(r"serving fake on http://127\.0\.0\.1:(\d+)/v1").group(1)
+    worker_port = log.find(r"accepting workers on 127\.0\.0\.1:(\d+)").group(1)
+    return serve, log, f"http://127.0.0.1:{http_port}", worker_port
+
+
+def fake_worker(worker_port: str, worker_id: str) -> subprocess.Popen[str]:
+    return fencepost("worker", "--connect", f"127.0.0.1:{worker_port}", "--fake",
+                     "--fake-step-ms", "10", "--fake-ignore-eos", "--worker-id", worker_id,
+                     "--heartbeat-interval", "0.2")  # fmt: skip
+
+
+def healthy_workers(base: str) -> int:
+    return int(requests.get(f"{base}/health", timeout=10).json()["healthy_workers"])
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_kill_9_mid_stream_the_sdk_stream_resumes_on_the_other_worker(resume: bool) -> None:
+    from adapters.openai.models import FakeChatModel
+    from adapters.openai.normalize import ChatMessage
+    from core.protocol import GenerationRequest
+    from sim.cluster import reference_tokens
+
+    serve, _, base, worker_port = start_cluster(*([] if resume else ["--no-resume"]))
+    first = second = None
+    try:
+        first = fake_worker(worker_port, "w1")
+        wait_for(lambda: healthy_workers(base) == 1)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+        content = "tell me everything"
+        stream = client.chat.completions.create(
+            model="fake", messages=[{"role": "user", "content": content}], max_tokens=300,
+            temperature=0, stream=True,
+        )  # fmt: skip
+        chunks = iter(stream)
+        text = "".join(next(chunks).choices[0].delta.content or "" for _ in range(40))
+        second = fake_worker(worker_port, "w2")  # w1 holds the stream; w2 joins
+        wait_for(lambda: healthy_workers(base) == 2)
+        first.send_signal(signal.SIGKILL)
+        if not resume:
+            with pytest.raises(openai.APIError, match="disconnected"):
+                list(chunks)
+            return
+        for chunk in chunks:
+            text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+        model = FakeChatModel("fake")
+        prompt = tuple(model.tokenize_chat([ChatMessage("user", content)]))
+        undisturbed = model.decode(reference_tokens(GenerationRequest("x", prompt, 300), 300))
+        assert text == undisturbed  # no error, no duplicate, no gap
+        metrics = requests.get(f"{base}/metrics", timeout=10).text
+        assert 'fencepost_requests_total{outcome="length"} 1.0' in metrics
+    finally:
+        for process in (serve, first, second):
             if process is not None and process.poll() is None:
                 process.kill()
             if process is not None:

@@ -30,11 +30,13 @@ from core.protocol import (
 )
 from core.router import RouterConfig
 from core.wire import encode_frame
-from sim.cluster import reference_token
+from sim.cluster import reference_tokens
 from tests.runtime_helpers import collect, healthy, raw_connection, settled, wait_until
 
 HEARTBEAT_TIMEOUT_S = 0.5
-CONFIG = RouterConfig(offer_timeout_s=1.0, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+# Resuming is off here: these tests pin down the plain contract (a started stream
+# that loses its worker ends with worker_lost). Resumes: test_serve_process.py.
+CONFIG = RouterConfig(offer_timeout_s=1.0, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, max_resumes=0)
 PREFILL_MS = 1500
 
 
@@ -77,7 +79,7 @@ def request(name: str, max_new: int) -> GenerationRequest:
 
 
 def expected(req: GenerationRequest) -> list[int]:
-    return [reference_token(req, k) for k in range(req.max_new_tokens)]
+    return reference_tokens(req, req.max_new_tokens)
 
 
 def live_tasks() -> int:

@@ -182,3 +182,14 @@ def test_resend_repeats_the_tokens_and_the_finish_as_one_run() -> None:
     ]
     assert worker.free_slots == 2
     assert worker.handle(FromRouterMessage(Resend(Assignment("zz", 1), 0)), 0) == []
+
+
+def test_a_continuation_starts_at_the_index_after_its_prefix() -> None:
+    worker = make()
+    request = GenerationRequest("a", (1, 2, 3), 6, output_prefix=(10, 11, 12))
+    effects = worker.handle(FromRouterMessage(Offer("w1", 3, Assignment("a", 2), request)), 0)
+    assert StartDecode(Assignment("a", 2), request) in effects
+    a2 = Assignment("a", 2)
+    assert sent(worker.handle(Decoded(a2, 0, 10), 0)) == []  # the prefix is not sent again
+    assert sent(worker.handle(Decoded(a2, 3, 13), 0)) == [Token(a2, 3, 13)]
+    assert sent(worker.handle(DecodeDone(a2, "eos"), 0)) == [Finished(a2, "eos", 4)]

@@ -49,9 +49,10 @@ class _Sequence:
     request: GenerationRequest
     seed: int
     stop_ids: frozenset[int]
+    context: tuple[int, ...]  # what prefill puts in the cache: prompt + any output prefix
     slot: int = -1
     prefilled: int = 0
-    generated: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)  # a continuation starts with its prefix
 
 
 @dataclass
@@ -79,6 +80,7 @@ class Engine:
         self._running: dict[int, _Sequence] = {}
         self._by_assignment: dict[Assignment, int] = {}
         self._free_slots = list(range(limits.max_seqs))  # a heap: lowest slot first
+        self._ended: list[EngineEvent] = []  # continuations that were over at start
         self._seeds = random.SystemRandom()
         self.last_step = StepTiming()
 
@@ -88,7 +90,8 @@ class Engine:
         if assignment in self._by_assignment:
             raise ValueError(f"{assignment} is already running")
         vocab = self.runner.vocab_size
-        bad = [t for t in request.prompt_token_ids if t >= vocab]
+        context = request.prompt_token_ids + request.output_prefix
+        bad = [t for t in context if t >= vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:3]} are outside the vocabulary ({vocab})")
         self._keys += 1
@@ -100,7 +103,16 @@ class Engine:
             request=request,
             seed=self._seeds.getrandbits(63) if seed is None else seed,
             stop_ids=stop_ids,
+            context=context,
+            generated=list(request.output_prefix),
         )
+        prefix = request.output_prefix
+        if prefix and (prefix[-1] in stop_ids or len(prefix) >= request.max_new_tokens):
+            # A continuation of an output that had already ended (only its Finished was lost).
+            self._ended.append(
+                DecodeDone(assignment, "eos" if prefix[-1] in stop_ids else "length")
+            )
+            return
         self._waiting[seq.key] = seq
         self._by_assignment[assignment] = seq.key
 
@@ -115,7 +127,7 @@ class Engine:
             heapq.heappush(self._free_slots, seq.slot)
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._ended)
 
     @property
     def active(self) -> int:
@@ -125,11 +137,11 @@ class Engine:
 
     def step(self) -> list[EngineEvent]:
         began = time.perf_counter()
-        events: list[EngineEvent] = []
+        events: list[EngineEvent] = list(self._ended)
+        self._ended.clear()
         self._admit(events)
         running = [
-            Running(seq.key, len(seq.request.prompt_token_ids), seq.prefilled)
-            for seq in self._running.values()
+            Running(seq.key, len(seq.context), seq.prefilled) for seq in self._running.values()
         ]
         plan = plan_step(running, self.limits)
         if plan.decode:
@@ -170,7 +182,7 @@ class Engine:
             self._emit(seq, token, events)
 
     def _prefill(self, seq: _Sequence, count: int, events: list[EngineEvent]) -> None:
-        prompt = seq.request.prompt_token_ids
+        prompt = seq.context
         chunk = torch.tensor(prompt[seq.prefilled : seq.prefilled + count], device=self.device)
         logits = self.runner.prefill(seq.slot, seq.prefilled, chunk)
         seq.prefilled += count

@@ -17,6 +17,7 @@ closed, and closing it cancels the pump, which cancels the request.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from typing import Any
 
 import msgspec
 import trio
+from msgspec.structs import replace
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -267,6 +269,12 @@ class FencepostApp:
         )
         if isinstance(job, OpenAIError):
             return self._reject(job)
+        sampling = job.request.sampling
+        if sampling.temperature > 0 and sampling.seed is None:
+            # Every sampled request gets a seed, so that a stream resumed on another
+            # worker draws exactly what its first worker would have.
+            seeded = replace(sampling, seed=secrets.randbits(63))
+            job = replace(job, request=replace(job.request, sampling=seeded))
         stream = self.controller.submit(job.request)
         if isinstance(stream.outcome, DeliverError):  # refused at once: still an HTTP error
             outcome = stream.outcome

@@ -9,8 +9,9 @@ the decoder. Two decoders are provided:
   events come back into the trio loop with run_sync_soon, so the loop never
   waits on a forward pass.
 - FakeDecoder: a deterministic, instant stand-in for tests and for measuring
-  the runtime's own overhead. Token k of a request is sim.cluster's
-  reference_token, so every worker agrees on every greedy or seeded output.
+  the runtime's own overhead. It is sim.cluster's fake model (FakeContext):
+  autoregressive and deterministic, so every worker agrees on every greedy or
+  seeded output, and a continuation goes on exactly where its prefix ends.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from core.protocol import (
     WorkerStart,
 )
 from core.worker import Worker, WorkerConfig
-from sim.cluster import EOS_TOKEN, reference_token
+from sim.cluster import EOS_TOKEN, FakeContext
 
 log = logging.getLogger("fencepost.worker")
 
@@ -133,7 +134,7 @@ class WorkerHost:
 class _FakeRun:
     request: GenerationRequest
     ready_at: float  # prefill ends; the first token may come
-    index: int = 0
+    context: FakeContext
 
 
 class FakeDecoder:
@@ -154,7 +155,8 @@ class FakeDecoder:
         self.steps = 0
 
     def start(self, assignment: Assignment, request: GenerationRequest) -> None:
-        self._running[assignment] = _FakeRun(request, trio.current_time() + self.prefill_s)
+        ready_at = trio.current_time() + self.prefill_s
+        self._running[assignment] = _FakeRun(request, ready_at, FakeContext(request))
         self._lot.unpark_all()
 
     def stop(self, assignment: Assignment) -> None:
@@ -188,13 +190,22 @@ class FakeDecoder:
     def _step(self, ready: list[tuple[Assignment, _FakeRun]]) -> list[Any]:
         events: list[Any] = []
         for assignment, run in ready:
-            token = reference_token(run.request, run.index)
-            events.append(Decoded(assignment, run.index, token))
-            run.index += 1
+            prefix = run.request.output_prefix
+            if run.context.index == len(prefix) > 0 and (
+                (prefix[-1] == EOS_TOKEN and not self.ignore_eos)
+                or run.context.index >= run.request.max_new_tokens
+            ):  # a continuation of an output that had already ended
+                del self._running[assignment]
+                full = run.context.index >= run.request.max_new_tokens
+                events.append(DecodeDone(assignment, "length" if full else "eos"))
+                continue
+            token = run.context.next_token()
+            events.append(Decoded(assignment, run.context.index, token))
+            run.context.feed(token)
             stopped = not self.ignore_eos and (
                 token == EOS_TOKEN or token in run.request.stop_token_ids
             )
-            if stopped or run.index >= run.request.max_new_tokens:
+            if stopped or run.context.index >= run.request.max_new_tokens:
                 del self._running[assignment]
                 events.append(DecodeDone(assignment, "eos" if stopped else "length"))
         self.steps += 1
