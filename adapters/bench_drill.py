@@ -59,18 +59,22 @@ def main(model_path: str | None, clients: int, duration_s: float, kill_at_s: flo
             if time.monotonic() > deadline:
                 raise RuntimeError("the workers never registered")
             time.sleep(0.2)
-        before = trio.run(scrape, http, ("fencepost_attempt_retries",))
+        counters = ("fencepost_attempt_retries", "fencepost_stream_resumes")
+        before = trio.run(scrape, http, counters)
         results = trio.run(_load, http, clients, duration_s, kill_at_s, tokens, victims[0])
         time.sleep(3)  # the router settles (heartbeat timeout 2 s)
-        names = ("fencepost_attempt_retries", "fencepost_active_requests",
-                 "fencepost_slots_used", "fencepost_healthy_workers")  # fmt: skip
+        names = (*counters, "fencepost_active_requests", "fencepost_slots_used",
+                 "fencepost_healthy_workers")  # fmt: skip
         after = trio.run(scrape, http, names)
     finally:
         server.stop()
         for victim in victims:
             victim.stop()
-    retried = after.get("fencepost_attempt_retries", 0) - before.get("fencepost_attempt_retries", 0)
-    report(results, retried, after)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    report(results, grew("fencepost_attempt_retries"), grew("fencepost_stream_resumes"), after)
     return 0
 
 
@@ -100,7 +104,9 @@ async def _load(port: int, clients: int, duration_s: float, kill_at_s: float, to
     return results
 
 
-def report(results: list[StreamResult], retried: float, after: dict[str, float]) -> None:
+def report(
+    results: list[StreamResult], retried: float, resumed: float, after: dict[str, float]
+) -> None:
     kinds: Counter[str] = Counter()
     for r in results:
         if r.error is None and r.done:
@@ -113,6 +119,7 @@ def report(results: list[StreamResult], retried: float, after: dict[str, float])
     for kind, count in sorted(kinds.items()):
         print(f"    {kind:40} {count}")
     print(f"  attempts failed over before their first token: {retried:.0f}")
+    print(f"  started streams resumed on the other worker: {resumed:.0f}")
     lost = [r for r in results if r.error_code == "worker_lost"]
     if lost:
         chunks = percentile([len(r.gaps_s) + 1.0 for r in lost], 50)

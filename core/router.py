@@ -596,7 +596,9 @@ class Router:
             req = self._requests[self._queue[0]]
             if not self._fitting_workers(req):
                 self._queue.popleft()
-                self._give_up(req, "no_worker", self._no_worker_message(req), out)
+                # A resumed stream waiting here has tokens out: for it the loss is final.
+                kind: ErrorKind = "worker_lost" if req.delivered else "no_worker"
+                self._give_up(req, kind, self._no_worker_message(req), out)
                 continue
             worker = self._candidate(req, exclude=None)
             if worker is None:

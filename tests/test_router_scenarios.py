@@ -500,3 +500,20 @@ def test_a_token_run_past_the_budget_delivers_only_up_to_the_budget() -> None:
         DeliverToken("a", 1, 6),
     ]
     assert router.statistics().fenced["over_budget"] == 1
+
+
+def test_a_resumed_stream_waiting_for_a_slot_ends_worker_lost_if_no_worker_is_left() -> None:
+    router = Router()
+    beat(router, "w1", slots=1)
+    beat(router, "w2", slots=1)
+    router.handle(Submit(request("a")), 0)
+    router.handle(Submit(request("b")), 0)
+    a1, b1 = Assignment("a", 1), Assignment("b", 1)
+    accept(router, "w1", a1)
+    accept(router, "w2", b1)
+    from_worker(router, "w1", Token(a1, 0, 5))
+    effects = router.handle(WorkerGone("w1", 0, "reset"), 0.1)
+    assert offers(effects) == [] and router.statistics().queued == 1  # w2 is full: a waits
+    effects = router.handle(WorkerGone("w2", 0, "reset"), 0.2)
+    kinds = {o.request_id: o.kind for o in outcomes(effects)}  # type: ignore[union-attr]
+    assert kinds == {"a": "worker_lost", "b": "no_worker"}

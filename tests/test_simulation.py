@@ -20,6 +20,12 @@ REGRESSION_SEEDS = [
         "one slow single-slot worker needed longer than the fixed 60 s liveness budget; "
         "the budget now adds a serial bound on the remaining work",
     ),
+    (
+        6698,
+        Scenario(),
+        "a resumed stream queued for a slot when the last fitting worker went away was "
+        "given up as no_worker; with tokens out, it is worker_lost",
+    ),
 ]
 
 

@@ -42,6 +42,11 @@ class Metrics:
             "Attempts that failed before the first token and were retried (since start)",
             registry=r,
         )
+        self.resumes = Gauge(
+            "fencepost_stream_resumes",
+            "Started streams continued on another worker from their delivered prefix",
+            registry=r,
+        )
         self.ttft = Histogram(
             "fencepost_time_to_first_token_seconds",
             "From request arrival to its first token",
@@ -62,4 +67,5 @@ class Metrics:
         self.healthy_workers.set(sum(w.healthy for w in stats.router.workers))
         self.slots_used.set(sum(w.held for w in stats.router.workers))
         self.retries.set(stats.router.retries)
+        self.resumes.set(stats.router.resumes)
         return generate_latest(self.registry)
