@@ -178,12 +178,16 @@ class _Request:
     attempt: int = 0
     active: Assignment | None = None
     worker_id: str | None = None
-    delivered: int = 0
     tokens: list[int] = field(default_factory=list)  # what the client has, for a resume
     resumes: int = 0
     tried: set[str] = field(default_factory=set)
     finish: Finished | None = None  # a finish that arrived before all its tokens
     resend_at: float | None = None  # when the last Resend for it was sent
+
+    @property
+    def delivered(self) -> int:
+        """Tokens the client has; also the index the fence expects next."""
+        return len(self.tokens)
 
 
 @dataclass(slots=True)
@@ -353,7 +357,6 @@ class Router:
         self._move(req, "token")
         out.append(DeliverToken(req.request.request_id, req.delivered, token_id))
         req.tokens.append(token_id)
-        req.delivered += 1
         self._tokens_delivered += 1
         if req.finish is not None and req.delivered == req.finish.completion_tokens:
             self._complete(req, req.finish, out)
