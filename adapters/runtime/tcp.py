@@ -32,24 +32,12 @@ import trio
 from adapters.runtime.controller import Controller
 from adapters.runtime.loop import Mailbox
 from adapters.runtime.worker_host import Decoder, WorkerHost
-from core.protocol import (
-    AnyWireMessage,
-    Cancel,
-    Finished,
-    Heartbeat,
-    Offer,
-    OfferResult,
-    Resend,
-    Token,
-    TokenRun,
-)
+from core.protocol import AnyWireMessage, FromWorker, Heartbeat, ToWorker
 from core.wire import DEFAULT_MAX_FRAME_BYTES, FrameReader, WireError, encode_frame
 from core.worker import WorkerConfig
 
 log = logging.getLogger("fencepost.tcp")
 
-FROM_WORKER = (OfferResult, Token, TokenRun, Finished, Heartbeat)
-TO_WORKER = (Offer, Cancel, Resend)
 RECEIVE_BYTES = 65_536
 
 
@@ -221,7 +209,7 @@ def _pass_to_controller(
     controller: Controller, link: TcpLink, messages: list[AnyWireMessage]
 ) -> None:
     for message in messages:
-        if not isinstance(message, FROM_WORKER):
+        if not isinstance(message, FromWorker):
             raise LinkClosed(f"a worker sent {type(message).__name__}, a router's message")
         controller.from_worker(link.worker_id, message)
         if link.reason is not None:
@@ -260,6 +248,7 @@ class RemoteWorker:
         self.connected = trio.Event()
         self.sessions = 0
         self._draining = False
+        self._outbox: Mailbox[AnyWireMessage] | None = None  # the current session's
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -287,8 +276,6 @@ class RemoteWorker:
 
     def _outbox_busy(self) -> bool:
         return self._outbox is not None and len(self._outbox) > 0
-
-    _outbox: Mailbox[AnyWireMessage] | None = None
 
     async def _pace(self) -> None:
         outbox = self._outbox
@@ -337,7 +324,7 @@ class RemoteWorker:
 
 def _pass_to_host(host: WorkerHost, messages: list[AnyWireMessage]) -> None:
     for message in messages:
-        if not isinstance(message, TO_WORKER):
+        if not isinstance(message, ToWorker):
             raise LinkClosed(f"the router sent {type(message).__name__}, a worker's message")
         host.from_router(message)
 
