@@ -212,6 +212,8 @@ def engine_only(
 
     from adapters.engine.engine import Engine
     from adapters.engine.model import load_model
+    from adapters.openai.models import ChatModel
+    from adapters.openai.normalize import ChatMessage
     from adapters.runtime.worker_host import default_threads
     from core.batching import BatchLimits
     from core.protocol import Assignment, Decoded, DecodeDone, GenerationRequest, Sampling
@@ -220,13 +222,11 @@ def engine_only(
     engine = Engine(loaded, BatchLimits(max_seqs=concurrency, max_context=2048))
     # the same torch threads as the server's engine thread had
     torch.set_num_threads(threads or default_threads(engine.device.type) or torch.get_num_threads())
+    chat = ChatModel("bench", loaded.tokenizer, 2048)  # the server's own chat tokenizing
     pending = []
     for i in range(concurrency * rounds):
-        messages = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
-        encoded = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = encoded["input_ids"] if not isinstance(encoded, list) else encoded
-        request = GenerationRequest(f"e{i}", tuple(int(t) for t in ids), tokens, Sampling(0.0))
-        pending.append(request)
+        prompt = chat.tokenize_chat([ChatMessage("user", PROMPTS[i % len(PROMPTS)])])
+        pending.append(GenerationRequest(f"e{i}", tuple(prompt), tokens, Sampling(0.0)))
     pending.reverse()
 
     def start_next() -> None:

@@ -28,7 +28,7 @@ from adapters.openai.server import FencepostApp, HttpLimits
 from adapters.runtime.controller import Controller
 from adapters.runtime.embedded import run_local_worker
 from adapters.runtime.tcp import serve_workers
-from adapters.runtime.worker_host import Decoder, EngineDecoder, FakeDecoder
+from adapters.runtime.worker_host import Decoder, FakeDecoder, engine_decoder
 from adapters.worker_command import listen_address
 from core.router import RouterConfig
 from core.worker import WorkerConfig
@@ -119,19 +119,15 @@ def build_model(options: ServeOptions) -> tuple[ServedModel, Decoder | None]:
         name = options.served_model_name or "fake"
         decoder = FakeDecoder(options.fake_step_ms / 1000) if options.local_worker else None
         return FakeChatModel(name, options.max_context), decoder
-    from adapters.engine.engine import Engine
     from adapters.engine.model import load_model
-    from core.batching import BatchLimits
 
     loaded = load_model(options.model)
     max_context = min(options.max_context, loaded.max_context)
     model = ChatModel(options.served_model_name or loaded.name, loaded.tokenizer, max_context)
     if not options.local_worker:
         return model, None
-    engine = Engine(
-        loaded, BatchLimits(max_seqs=options.slots, max_context=max_context), options.weights
-    )
-    return model, EngineDecoder(engine, options.threads)
+    slots, weights, threads = options.slots, options.weights, options.threads
+    return model, engine_decoder(loaded, slots, max_context, weights, threads)
 
 
 async def serve_until_signalled(

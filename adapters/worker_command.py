@@ -17,7 +17,7 @@ import socket
 import trio
 
 from adapters.runtime.tcp import RemoteWorker
-from adapters.runtime.worker_host import Decoder, EngineDecoder, FakeDecoder
+from adapters.runtime.worker_host import Decoder, FakeDecoder, engine_decoder
 from core.worker import WorkerConfig
 
 log = logging.getLogger("fencepost.worker")
@@ -63,17 +63,11 @@ def main(args: argparse.Namespace) -> int:
         )
         max_context = args.max_context
     else:
-        from adapters.engine.engine import Engine
         from adapters.engine.model import load_model
-        from core.batching import BatchLimits
 
         loaded = load_model(args.model)
-        limits = BatchLimits(
-            max_seqs=args.slots, max_context=min(args.max_context, loaded.max_context)
-        )
-        engine = Engine(loaded, limits, weights=args.weights)
-        decoder = EngineDecoder(engine, args.threads)
-        max_context = limits.max_context
+        on_thread = engine_decoder(loaded, args.slots, args.max_context, args.weights, args.threads)
+        decoder, max_context = on_thread, on_thread.engine.limits.max_context
     config = WorkerConfig(
         worker_id,
         slots=args.slots,

@@ -225,6 +225,18 @@ def default_threads(device_type: str) -> int | None:
     return max(1, (os.cpu_count() or 2) - 1)
 
 
+def engine_decoder(
+    loaded: Any, slots: int, max_context: int, weights: str, threads: int | None
+) -> EngineDecoder:
+    """The torch engine for a loaded model: `slots` sequences of at most max_context
+    tokens (capped at the model's own), stepping on its own thread."""
+    from adapters.engine.engine import Engine
+    from core.batching import BatchLimits
+
+    limits = BatchLimits(max_seqs=slots, max_context=min(max_context, loaded.max_context))
+    return EngineDecoder(Engine(loaded, limits, weights=weights), threads)
+
+
 class EngineDecoder:
     """The torch engine (adapters.engine.Engine) stepping on its own thread.
 
