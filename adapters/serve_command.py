@@ -207,11 +207,9 @@ async def serve(
         await stop.wait()
         http_stop.set()  # stop accepting connections; open responses continue
         await controller.drain(options.drain_timeout_s)
-        # Every request has its outcome now; let the responses carry it out. Idle
-        # keep-alive connections would hold hypercorn to its graceful timeout, so
-        # wait for our own requests instead, then give the last frames a moment.
-        with trio.move_on_after(5):
-            await app.wait_quiet()
+        # Every request has its outcome now; give the responses a moment to carry
+        # it out. (Idle keep-alive connections would hold hypercorn to its whole
+        # graceful timeout, so it is not waited for longer than that.)
         with trio.move_on_after(1):
             await http_done.wait()
         nursery.cancel_scope.cancel()

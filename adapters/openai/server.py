@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import trio
@@ -43,7 +43,7 @@ from adapters.openai.metrics import Metrics
 from adapters.openai.models import ServedModel
 from adapters.openai.normalize import ChatJob, ChatMessage, ModelInfo, normalize_chat_request
 from adapters.runtime.controller import Controller, RequestStream
-from core.protocol import DeliverError, DeliverFinished, DeliverToken
+from core.protocol import DeliverError, DeliverFinished, DeliverToken, Delivery
 
 log = logging.getLogger("fencepost.http")
 
@@ -88,6 +88,14 @@ class TextEgress:
         return text + self.stop.flush()
 
 
+class Step(NamedTuple):
+    """What one delivery means for the client."""
+
+    text: str  # the text it completes (often "" while a character or stop is pending)
+    finish_reason: str | None = None  # the answer ends here: "stop" or "length"
+    error: OpenAIError | None = None  # the answer ends here with this error
+
+
 class ChatCompletion:
     """One chat completion request being answered: ids, timings, chunk encoding."""
 
@@ -114,6 +122,30 @@ class ChatCompletion:
         self.last_token_at = now
         metrics.completion_tokens.inc()
         return self.egress.token(token_id)
+
+    def apply(self, item: Delivery) -> Step:
+        """One delivery in, what the client gets; records the outcome when it ends.
+
+        The streamed and the plain response both read deliveries through here,
+        so they agree on text, stop strings and finish reasons.
+        """
+        egress = self.egress
+        match item:
+            case DeliverToken(token_id=token_id):
+                text = self.on_token(token_id)
+                return self._ended(Step(text, "stop")) if egress.stopped else Step(text)
+            case DeliverFinished(reason=reason):
+                text = egress.finish()
+                return self._ended(Step(text, "stop" if egress.stopped else FINISH_REASONS[reason]))
+            case DeliverError(kind=kind, message=message):
+                self.record(f"error_{kind}")
+                return Step("", error=from_outcome(kind, message))
+        raise AssertionError(f"not a delivery: {item!r}")
+
+    def _ended(self, step: Step) -> Step:
+        assert step.finish_reason is not None
+        self.record(step.finish_reason)
+        return step
 
     def record(self, outcome: str) -> None:
         if not self.outcome_recorded:
@@ -180,19 +212,7 @@ class FencepostApp:
         self.limits = limits or HttpLimits()
         self.metrics = Metrics(controller)
         self.created = int(time.time())
-        self.in_flight = 0  # chat requests whose generation is not over yet
-        self._quiet = trio.lowlevel.ParkingLot()
         self.quart = self._build()
-
-    async def wait_quiet(self) -> None:
-        """Wait until no chat request is being generated (used at shutdown)."""
-        while self.in_flight:
-            await self._quiet.park()
-
-    def _request_done(self) -> None:
-        self.in_flight -= 1
-        if not self.in_flight:
-            self._quiet.unpark_all()
 
     def _build(self) -> QuartTrio:
         app = QuartTrio("fencepost")
@@ -282,13 +302,9 @@ class FencepostApp:
             return error_response(from_outcome(outcome.kind, outcome.message))
         self.metrics.prompt_tokens.inc(len(job.request.prompt_token_ids))
         completion = ChatCompletion(self, job, stream)
-        self.in_flight += 1
         if job.stream:
-            return self._start_stream(completion)  # the pump ends the request
-        try:
-            return await self._complete(completion)
-        finally:
-            self._request_done()
+            return self._start_stream(completion)
+        return await self._complete(completion)
 
     def _reject(self, error: OpenAIError) -> Response:
         self.metrics.requests.labels(f"rejected_{error.status}").inc()
@@ -303,22 +319,17 @@ class FencepostApp:
 
     async def _complete(self, completion: ChatCompletion) -> Response:
         text: list[str] = []
-        egress = completion.egress
         finish_reason = "stop"
         try:
             async with completion.stream as stream:
                 async for item in stream:
-                    if isinstance(item, DeliverToken):
-                        text.append(completion.on_token(item.token_id))
-                        if egress.stopped:
-                            break  # leaving the block cancels the generation
-                    elif isinstance(item, DeliverFinished):
-                        text.append(egress.finish())
-                        finish_reason = "stop" if egress.stopped else FINISH_REASONS[item.reason]
-                    else:
-                        completion.record(f"error_{item.kind}")
-                        return error_response(from_outcome(item.kind, item.message))
-            completion.record(finish_reason)
+                    step = completion.apply(item)
+                    if step.error is not None:
+                        return error_response(step.error)
+                    text.append(step.text)
+                    if step.finish_reason is not None:
+                        finish_reason = step.finish_reason
+                        break  # after a stop string, leaving the block cancels the generation
         finally:
             completion.record("cancelled")  # a no-op unless the client went away
         message = {"role": "assistant", "content": "".join(text), "refusal": None}
@@ -354,32 +365,20 @@ class FencepostApp:
     async def _pump(
         self, completion: ChatCompletion, queue: ClientQueue, scope: trio.CancelScope
     ) -> None:
-        egress = completion.egress
         try:
             with scope:
                 async with completion.stream as stream:
                     queue.put_frame(completion.chunk({"role": "assistant", "content": ""}))
                     async for item in stream:
-                        if isinstance(item, DeliverToken):
-                            text = completion.on_token(item.token_id)
-                            if text:
-                                queue.put_delta(text)
-                            if egress.stopped:
-                                self._end_stream(completion, queue, "stop")
-                                return
-                        elif isinstance(item, DeliverFinished):
-                            text = egress.finish()
-                            if text:
-                                queue.put_delta(text)
-                            reason = "stop" if egress.stopped else FINISH_REASONS[item.reason]
-                            self._end_stream(completion, queue, reason)
-                            return
-                        else:
-                            completion.record(f"error_{item.kind}")
-                            error = from_outcome(item.kind, item.message)
-                            body = msgspec.json.encode(error.body())
+                        step = completion.apply(item)
+                        if step.text:
+                            queue.put_delta(step.text)
+                        if step.error is not None:
+                            body = msgspec.json.encode(step.error.body())
                             queue.put_frame(b"data: " + body + b"\n\n" + DONE)
-                            queue.close()
+                            return
+                        if step.finish_reason is not None:
+                            self._end_stream(completion, queue, step.finish_reason)
                             return
                         if queue.failed is not None:
                             completion.record("overflow")
@@ -388,10 +387,8 @@ class FencepostApp:
         finally:
             completion.record("cancelled")  # the client went away first
             queue.close()
-            self._request_done()
 
     def _end_stream(self, completion: ChatCompletion, queue: ClientQueue, reason: str) -> None:
-        completion.record(reason)
         queue.put_frame(completion.chunk({}, reason))
         if completion.job.include_usage:
             queue.put_frame(completion.usage_chunk())
