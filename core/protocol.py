@@ -13,6 +13,7 @@ the assignment it considers active and drop everything else (the fence).
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import Annotated, Literal
 
 from msgspec import Meta, Struct
@@ -76,6 +77,16 @@ class GenerationRequest(Struct, frozen=True):
             raise ValueError("max_new_tokens must be at least 1")
         if len(self.output_prefix) > self.max_new_tokens:
             raise ValueError("output_prefix is longer than max_new_tokens")
+
+    def ended_by_prefix(self, stop_token_ids: Container[int]) -> ClientFinishReason | None:
+        """A continuation whose output had already ended (only its Finished was lost):
+        how it ended, a stop token last (eos) or the whole budget used (length)."""
+        prefix = self.output_prefix
+        if not prefix:
+            return None
+        if prefix[-1] in stop_token_ids:
+            return "eos"
+        return "length" if len(prefix) >= self.max_new_tokens else None
 
     @property
     def context_tokens(self) -> int:

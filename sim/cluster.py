@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, cast
+from typing import cast
 
 from core.protocol import (
     ArmTimer,
@@ -281,14 +281,10 @@ class Cluster:
         """The fake decoder emits the next token of one running assignment."""
         decode = self.decodes[worker_id][assignment]
         index = decode.next_index
-        prefix = decode.request.output_prefix
-        if index == len(prefix) > 0 and (
-            prefix[-1] == EOS_TOKEN or index >= decode.request.max_new_tokens
-        ):
-            # A continuation of an output that had already ended: nothing to add.
-            self.decodes[worker_id].pop(assignment, None)
-            reason: Literal["eos", "length"] = "eos" if prefix[-1] == EOS_TOKEN else "length"
-            self._run_worker(worker_id, DecodeDone(assignment, reason))
+        ended = decode.request.ended_by_prefix((EOS_TOKEN,))
+        if ended is not None and index == len(decode.request.output_prefix):
+            self.decodes[worker_id].pop(assignment, None)  # nothing to add
+            self._run_worker(worker_id, DecodeDone(assignment, ended))
             return
         token = decode.context.next_token()
         decode.context.feed(token)

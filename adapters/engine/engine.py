@@ -106,12 +106,9 @@ class Engine:
             context=context,
             generated=list(request.output_prefix),
         )
-        prefix = request.output_prefix
-        if prefix and (prefix[-1] in stop_ids or len(prefix) >= request.max_new_tokens):
-            # A continuation of an output that had already ended (only its Finished was lost).
-            self._ended.append(
-                DecodeDone(assignment, "eos" if prefix[-1] in stop_ids else "length")
-            )
+        ended = request.ended_by_prefix(stop_ids)
+        if ended is not None:  # nothing to add; say so in the next step
+            self._ended.append(DecodeDone(assignment, ended))
             return
         self._waiting[seq.key] = seq
         self._by_assignment[assignment] = seq.key

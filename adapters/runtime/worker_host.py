@@ -135,6 +135,7 @@ class _FakeRun:
     request: GenerationRequest
     ready_at: float  # prefill ends; the first token may come
     context: FakeContext
+    stops: tuple[int, ...]  # tokens that end it: EOS and its stop ids, none if EOS is ignored
 
 
 class FakeDecoder:
@@ -156,7 +157,8 @@ class FakeDecoder:
 
     def start(self, assignment: Assignment, request: GenerationRequest) -> None:
         ready_at = trio.current_time() + self.prefill_s
-        self._running[assignment] = _FakeRun(request, ready_at, FakeContext(request))
+        stops = () if self.ignore_eos else (EOS_TOKEN, *request.stop_token_ids)
+        self._running[assignment] = _FakeRun(request, ready_at, FakeContext(request), stops)
         self._lot.unpark_all()
 
     def stop(self, assignment: Assignment) -> None:
@@ -190,21 +192,16 @@ class FakeDecoder:
     def _step(self, ready: list[tuple[Assignment, _FakeRun]]) -> list[Any]:
         events: list[Any] = []
         for assignment, run in ready:
-            prefix = run.request.output_prefix
-            if run.context.index == len(prefix) > 0 and (
-                (prefix[-1] == EOS_TOKEN and not self.ignore_eos)
-                or run.context.index >= run.request.max_new_tokens
-            ):  # a continuation of an output that had already ended
-                del self._running[assignment]
-                full = run.context.index >= run.request.max_new_tokens
-                events.append(DecodeDone(assignment, "length" if full else "eos"))
+            at_start = run.context.index == len(run.request.output_prefix)
+            ended = run.request.ended_by_prefix(run.stops) if at_start else None
+            if ended is not None:
+                del self._running[assignment]  # nothing to add
+                events.append(DecodeDone(assignment, ended))
                 continue
             token = run.context.next_token()
             events.append(Decoded(assignment, run.context.index, token))
             run.context.feed(token)
-            stopped = not self.ignore_eos and (
-                token == EOS_TOKEN or token in run.request.stop_token_ids
-            )
+            stopped = token in run.stops
             if stopped or run.context.index >= run.request.max_new_tokens:
                 del self._running[assignment]
                 events.append(DecodeDone(assignment, "eos" if stopped else "length"))
