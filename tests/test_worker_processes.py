@@ -225,3 +225,26 @@ def test_sigterm_drains_a_worker_and_it_exits_0(workers: Workers) -> None:
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_sigterm_stops_a_worker_whose_router_is_gone_at_once(workers: Workers) -> None:
+    """A worker between connections holds nothing, so draining it has nothing to wait for
+    (it used to wait the whole --drain-timeout, 5 s here, while trying to reconnect)."""
+
+    async def main() -> None:
+        controller = Controller(CONFIG)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(controller.run)
+            port = await nursery.start(serve_workers, controller, "127.0.0.1", 0)
+            orphan = workers.spawn(port, "orphan")
+            await wait_until(controller, lambda s: len(healthy(s)) == 1, 30)
+            nursery.cancel_scope.cancel()  # the router and its listener go away
+        await trio.sleep(0.3)  # the worker sees the connection close and starts reconnecting
+        assert orphan.poll() is None
+        orphan.send_signal(signal.SIGTERM)
+        began = trio.current_time()
+        code = await trio.to_thread.run_sync(orphan.wait, 10)
+        assert code == 0
+        assert trio.current_time() - began < 2.5
+
+    trio.run(main)

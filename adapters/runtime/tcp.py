@@ -270,8 +270,10 @@ class RemoteWorker:
         self._draining = True
         if self.host is not None:
             self.host.drain()
+        # Between connections nothing is held (a lost connection stops its decodes),
+        # so a worker that is not connected has nothing to wait for.
         with trio.move_on_after(grace_s):
-            while self.host is None or self.host.worker.holds() or self._outbox_busy():
+            while self.host is not None and (self.host.worker.holds() or self._outbox_busy()):
                 await trio.sleep(0.02)
 
     def _outbox_busy(self) -> bool:
