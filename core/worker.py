@@ -1,4 +1,4 @@
-"""The worker machine: every worker state transition lives in this file.
+"""The worker machine: what one worker process decides, sans-IO.
 
 One Worker fronts one decoder. It answers the router's offers (its own
 admission check), tells the decoder what to start and stop, fences the
@@ -6,10 +6,14 @@ decoder's output, and heartbeats its epoch, capacity and held assignments.
 
 Theory of operation
 -------------------
-An assignment the worker has accepted is *active* until exactly one of: the
-decoder finishes it, the router cancels it, or the decoder breaks. Each of
-those ends it through `_end`, the one place a slot is given back, so a slot is
-freed once whatever order cancel, finish and failure arrive in.
+Each assignment the worker hears of is in one state of `states.ASSIGNMENT`
+(unseen, declined, active, ended), derived from what the worker keeps (its
+active table and its bounded table of answers) and changed only through
+`_move`, which checks the table. An active assignment ends exactly once: the
+decoder finishes it, the router cancels it or supersedes it with a newer
+attempt, or the decoder breaks. Each of those ends it through `_end`, the one
+place a slot is given back, so a slot is freed once whatever order cancel,
+finish and failure arrive in.
 
 Offers are answered idempotently: the answer to each assignment is remembered
 (in a bounded table), and a duplicate offer gets the same answer again rather
@@ -58,10 +62,11 @@ from core.protocol import (
     WorkerEvent,
     WorkerStart,
 )
+from core.states import ASSIGNMENT, AssignmentEvent, AssignmentState, WorkerMisuse
 
+__all__ = ["Worker", "WorkerConfig", "WorkerMisuse", "WorkerStatistics"]
 
-class WorkerMisuse(Exception):
-    """Our own code fed the worker an event it can never take (a bug, not bad input)."""
+S, E = AssignmentState, AssignmentEvent
 
 
 class WorkerConfig(Struct, frozen=True):
@@ -115,7 +120,7 @@ class Worker:
                 self._on_decoded(assignment, index, token_id, out)
             case DecodeDone(assignment, reason):
                 if assignment in self._active:
-                    self._end(assignment, reason, out)
+                    self._end(assignment, reason, E.DECODE_DONE, out)
                 else:
                     self._fenced["late_finish"] += 1
             case FromRouterMessage(Offer() as offer):
@@ -134,10 +139,19 @@ class Worker:
                 out.append(SendToRouter(self._heartbeat()))
             case DecoderFailed():
                 for assignment in list(self._active):
-                    self._end(assignment, "failed", out)
+                    self._end(assignment, "failed", E.DECODER_FAILED, out)
             case _:
                 raise WorkerMisuse(f"worker cannot handle {event!r}")
         return out
+
+    def state_of(self, assignment: Assignment) -> AssignmentState:
+        """Where the assignment stands, from what the worker keeps about it."""
+        if assignment in self._active:
+            return S.ACTIVE
+        answer = self._answers.get(assignment)
+        if answer is None:
+            return S.UNSEEN  # never seen, or its answer has left the bounded table
+        return S.ENDED if answer.accepted else S.DECLINED
 
     def holds(self) -> KeysView[Assignment]:
         """The assignments that occupy a slot right now (a live, read-only view)."""
@@ -166,6 +180,7 @@ class Worker:
         elif index >= active.max_new_tokens:
             self._fenced["over_budget"] += 1
         else:
+            ASSIGNMENT.next(S.ACTIVE, E.DECODED)
             active.tokens.append(token_id)
             self._tokens_sent += 1
             out.append(SendToRouter(Token(assignment, index, token_id)))
@@ -189,6 +204,9 @@ class Worker:
     def _on_offer(self, offer: Offer, out: list[WorkerEffect]) -> None:
         assignment = offer.assignment
         answer = self._answers.get(assignment)
+        if answer is None and assignment in self._active:
+            # Still running, its answer long out of the bounded table: the same answer.
+            answer = OfferResult(self.config.worker_id, self.config.epoch, assignment, True)
         if answer is None:
             answer = self._decide(offer, out)
             self._remember(answer)
@@ -207,11 +225,12 @@ class Worker:
             if current.attempt > offer.assignment.attempt:
                 return self._decline(offer.assignment, "stale_attempt")
             # The router moved on to a newer attempt here: the old one is dead.
-            self._end(current, "cancelled", out)
+            self._end(current, "cancelled", E.SUPERSEDED, out)
         if self.free_slots <= 0 or self.draining:
             return self._decline(offer.assignment, "no_slot")
         if offer.request.context_tokens > self.config.max_context:
             return self._decline(offer.assignment, "context_length")
+        self._move(offer.assignment, E.OFFER_ADMITTED)
         # A continuation's output so far counts as sent: its next index is k.
         prefix = list(offer.request.output_prefix)
         self._active[offer.assignment] = _Active(offer.request.max_new_tokens, prefix)
@@ -220,16 +239,24 @@ class Worker:
         return OfferResult(self.config.worker_id, self.config.epoch, offer.assignment, True)
 
     def _on_cancel(self, assignment: Assignment, out: list[WorkerEffect]) -> None:
-        if assignment in self._active:
-            self._end(assignment, "cancelled", out)
-        elif assignment not in self._answers:
+        state = self.state_of(assignment)
+        if state is S.ACTIVE:
+            self._end(assignment, "cancelled", E.CANCEL, out)
+        elif state is S.UNSEEN:
             # The cancel overtook its offer: make sure the offer is declined.
-            self._remember(self._decline(assignment, "cancelled"))
+            self._remember(self._decline(assignment, "cancelled", E.CANCEL))
         else:
             self._fenced["late_cancel"] += 1
 
-    def _end(self, assignment: Assignment, reason: FinishReason, out: list[WorkerEffect]) -> None:
+    def _end(
+        self,
+        assignment: Assignment,
+        reason: FinishReason,
+        event: AssignmentEvent,
+        out: list[WorkerEffect],
+    ) -> None:
         """The one place an active assignment ends and its slot is freed."""
+        self._move(assignment, event)
         active = self._active.pop(assignment)
         if reason == "cancelled":  # otherwise the decoder has already stopped
             out.append(StopDecode(assignment))
@@ -240,10 +267,20 @@ class Worker:
             while len(self._retained) > self.config.retained_outputs:
                 self._retained.popitem(last=False)
 
-    def _decline(self, assignment: Assignment, reason: DeclineReason) -> OfferResult:
+    def _decline(
+        self,
+        assignment: Assignment,
+        reason: DeclineReason,
+        event: AssignmentEvent = E.OFFER_REFUSED,
+    ) -> OfferResult:
+        self._move(assignment, event)
         self._declined[reason] += 1
         config = self.config
         return OfferResult(config.worker_id, config.epoch, assignment, False, reason)
+
+    def _move(self, assignment: Assignment, event: AssignmentEvent) -> AssignmentState:
+        """Check a change against the table before the caller makes it (raises if illegal)."""
+        return ASSIGNMENT.next(self.state_of(assignment), event)
 
     def _remember(self, answer: OfferResult) -> None:
         self._answers[answer.assignment] = answer

@@ -6,7 +6,7 @@ import pytest
 
 from adapters.cli import main
 from adapters.mutants import MUTANTS, Mutant, run_mutant
-from core.router import Router
+from core.requests import Requests
 from sim.simulator import FAULT_KINDS, Scenario, Simulation, run_seed
 from sim.sweep import SweepSummary, check_determinism, sweep
 
@@ -93,7 +93,7 @@ def test_a_failure_prints_the_invariant_the_trace_and_the_replay_command(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # A bug of the kind the fence exists to stop: any index is taken as the next one.
-    monkeypatch.setattr(Router, "_is_next", lambda self, req, start, end, out: True)
+    monkeypatch.setattr(Requests, "_is_next", lambda self, req, start, end, out: True)
     assert main(["sim", "--seeds", "20", "--start", "3"]) == 1
     report = capsys.readouterr().out
     assert "VIOLATION at seed 3: safety: " in report

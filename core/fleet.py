@@ -1,0 +1,312 @@
+"""The router's view of its workers: health, heartbeat freshness, and slot holds.
+
+Fleet is part of the router machine (core/router.py drives it from
+`Router.handle`); it is split out so that every change to a worker's health
+and to the holds counted against its slots happens here, through the HEALTH
+and HOLD tables of core/states.py, and nowhere else.
+
+Holds: the router counts, per worker, the assignments it believes the worker
+holds. A hold is taken when an offer is sent (offered), confirmed when the
+worker's answer, output or heartbeat names it (held), and released when the
+worker declines or finishes it, when the offer expires, when the worker is
+lost, or when it has been missing from the worker's heartbeats for too long.
+An assignment the router no longer wants (its client cancelled) keeps its
+hold (draining) until the worker shows it has let go, so the router never
+offers a slot the worker still fills.
+
+What the holds mean for requests (retry, resume, accept, ask again) is the
+router's business: the methods here return what happened, and Router acts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from msgspec import Struct
+
+from core.protocol import (
+    ArmTimer,
+    Assignment,
+    Cancel,
+    Heartbeat,
+    LivenessTimer,
+    RouterEffect,
+    SendToWorker,
+)
+from core.states import HEALTH, HOLD, LIVE_HOLDS, Health, HealthEvent, Hold, HoldEvent
+
+if TYPE_CHECKING:
+    from core.router import RouterConfig
+
+DRAINING_HOLDS = (Hold.DRAINING_OFFER, Hold.DRAINING)
+
+
+class RequestSide(Protocol):
+    """What worker events mean for requests: the router's request side (core/requests.py)."""
+
+    def lost(self, request_id: str, assignment: Assignment, message: str,
+             out: list[RouterEffect]) -> None: ...  # fmt: skip
+
+    def listed(self, request_id: str, out: list[RouterEffect]) -> None: ...
+
+    def resend(self, request_id: str, out: list[RouterEffect]) -> None: ...
+
+    def dropped(self, request_id: str, out: list[RouterEffect]) -> None: ...
+
+
+class WorkerView(Struct, frozen=True):
+    worker_id: str
+    epoch: int
+    healthy: bool
+    slots: int
+    held: int
+    reported_free_slots: int
+    max_context: int
+
+
+@dataclass(slots=True)
+class HoldRecord:
+    request_id: str
+    state: Hold
+    missing_since: float | None = None  # when a heartbeat first left it out
+
+
+@dataclass(slots=True)
+class WorkerRecord:
+    worker_id: str
+    epoch: int
+    seq: int
+    slots: int = 0
+    free_slots: int = 0
+    max_context: int = 0
+    expires_at: float = 0.0
+    health: Health = Health.HEALTHY
+    timer_deadline: float | None = None  # the liveness timer as armed, if it is
+    gone_epoch: int = -1  # the transport lost this epoch: it may not come back
+    holds: dict[Assignment, HoldRecord] = field(default_factory=dict)
+
+    @property
+    def healthy(self) -> bool:
+        return self.health is Health.HEALTHY
+
+    def is_stale(self, beat: Heartbeat) -> bool:
+        """An epoch that is gone or older, or the same epoch and no newer sequence number."""
+        return (
+            beat.epoch <= self.gone_epoch
+            or beat.epoch < self.epoch
+            or (beat.epoch == self.epoch and beat.seq <= self.seq)
+        )
+
+
+class Fleet:
+    def __init__(self, config: RouterConfig, fenced: Counter[str]) -> None:
+        self.config = config
+        self.workers: dict[str, WorkerRecord] = {}
+        self.requests: RequestSide | None = None  # set by the Router that owns both
+        self.now = 0.0  # the `now` of the event being handled; never read from a clock
+        self._fenced = fenced
+
+    def get(self, worker_id: str) -> WorkerRecord | None:
+        return self.workers.get(worker_id)
+
+    # --- worker events ---
+
+    def on_heartbeat(self, worker_id: str, beat: Heartbeat, out: list[RouterEffect]) -> None:
+        if beat.worker_id != worker_id:
+            self._fenced["wrong_worker"] += 1
+            return
+        worker = self.workers.get(worker_id)
+        event = HealthEvent.HEARTBEAT
+        if worker is None:
+            worker = WorkerRecord(worker_id, beat.epoch, beat.seq)
+            self.workers[worker_id] = worker
+        elif worker.is_stale(beat):
+            self._fenced["stale_heartbeat"] += 1
+            return
+        elif beat.epoch > worker.epoch:
+            # A restart: everything the old process held is gone with it. The new
+            # epoch is recorded first so that retries never offer to the old one.
+            worker.epoch = beat.epoch
+            self._lose_holds(worker, f"worker {worker_id} restarted", out)
+            event = HealthEvent.NEW_EPOCH
+        worker.seq = beat.seq
+        worker.slots = beat.slots
+        worker.free_slots = beat.free_slots
+        worker.max_context = beat.max_context
+        worker.expires_at = self.now + self.config.heartbeat_timeout_s
+        worker.health = HEALTH.next(worker.health, event)
+        if worker.timer_deadline is None:
+            self._arm_liveness(worker, out)
+        self._reconcile(worker, beat, out)
+
+    def on_liveness_timer(self, worker_id: str, out: list[RouterEffect]) -> None:
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            return
+        worker.timer_deadline = None
+        if self.now < worker.expires_at:
+            self._arm_liveness(worker, out)  # heartbeats moved the deadline on
+            return
+        was = worker.health
+        worker.health = HEALTH.next(was, HealthEvent.DEADLINE_MISSED)
+        if was is Health.HEALTHY:
+            self._lose_holds(worker, f"worker {worker_id} stopped heartbeating", out)
+
+    def on_worker_gone(
+        self, worker_id: str, epoch: int, reason: str, out: list[RouterEffect]
+    ) -> None:
+        worker = self.workers.get(worker_id)
+        if worker is None or epoch < worker.epoch or epoch <= worker.gone_epoch:
+            return  # never registered, or an older connection than the one we know
+        worker.gone_epoch = epoch
+        worker.health = HEALTH.next(worker.health, HealthEvent.CONNECTION_LOST)
+        self._lose_holds(worker, f"worker {worker_id} disconnected: {reason}", out)
+
+    def settle_unwanted(
+        self, worker_id: str, assignment: Assignment, released: bool, out: list[RouterEffect]
+    ) -> None:
+        """A fenced Finished or OfferResult still tells us about the worker's slot."""
+        worker = self.workers.get(worker_id)
+        record = worker.holds.get(assignment) if worker is not None else None
+        if worker is None or record is None or record.state not in DRAINING_HOLDS:
+            if not released:
+                # The worker took an offer nobody wants (late or duplicated): stop it.
+                self._fenced["orphan"] += 1
+                out.append(SendToWorker(worker_id, Cancel(assignment)))
+            return
+        if released:
+            self.move(worker, assignment, HoldEvent.RELEASED)
+        else:
+            self.move(worker, assignment, HoldEvent.CONFIRMED)
+            out.append(SendToWorker(worker_id, Cancel(assignment)))
+
+    def _reconcile(self, worker: WorkerRecord, beat: Heartbeat, out: list[RouterEffect]) -> None:
+        """Compare the worker's own list of assignments with the router's holds."""
+        requests = self._requests()
+        for assignment in beat.active:
+            state = self.move(worker, assignment, HoldEvent.LISTED)
+            if state is None or state in DRAINING_HOLDS:
+                if state is None:
+                    self._fenced["orphan"] += 1
+                out.append(SendToWorker(worker.worker_id, Cancel(assignment)))
+            else:  # its OfferResult may have been lost or be late
+                requests.listed(worker.holds[assignment].request_id, out)
+        listed = set(beat.active)
+        for assignment, record in list(worker.holds.items()):
+            if assignment in listed or record.state in (Hold.OFFERED, Hold.DRAINING_OFFER):
+                continue  # listed, or the worker may not have seen the offer yet
+            if self.move(worker, assignment, HoldEvent.ABSENT) is not Hold.MISSING:
+                continue  # a draining hold: the worker let go
+            # The worker has let go of it: its last tokens or Finished are in flight, or
+            # lost. Ask again; give up once it stays missing.
+            assert record.missing_since is not None
+            if self.now - record.missing_since < self.config.heartbeat_timeout_s:
+                requests.resend(record.request_id, out)
+            else:
+                requests.dropped(record.request_id, out)
+
+    def _arm_liveness(self, worker: WorkerRecord, out: list[RouterEffect]) -> None:
+        worker.timer_deadline = worker.expires_at
+        out.append(ArmTimer(LivenessTimer(worker.worker_id), worker.expires_at))
+
+    def _lose_holds(self, worker: WorkerRecord, message: str, out: list[RouterEffect]) -> None:
+        """The worker is lost: every hold goes; the attempts the router wanted are lost."""
+        holds, worker.holds = worker.holds, {}
+        requests = self._requests()
+        for assignment, record in holds.items():
+            was = record.state
+            record.state = HOLD.next(was, HoldEvent.RELEASED)
+            if was in LIVE_HOLDS:
+                requests.lost(record.request_id, assignment, message, out)
+
+    def _requests(self) -> RequestSide:
+        assert self.requests is not None, "a Fleet works inside a Router"
+        return self.requests
+
+    # --- holds ---
+
+    @staticmethod
+    def take(worker: WorkerRecord, assignment: Assignment, request_id: str) -> None:
+        """An offer went out: the slot counts as taken from now on."""
+        worker.holds[assignment] = HoldRecord(
+            request_id, HOLD.next(Hold.FREE, HoldEvent.OFFER_SENT)
+        )
+
+    def move(self, worker: WorkerRecord, assignment: Assignment, event: HoldEvent) -> Hold | None:
+        """Move one hold; None if the worker has no hold for that assignment."""
+        record = worker.holds.get(assignment)
+        if record is None:
+            return None
+        nxt = HOLD.next(record.state, event)
+        if nxt is Hold.FREE:
+            del worker.holds[assignment]
+        elif nxt is not Hold.MISSING:
+            record.missing_since = None
+        elif record.missing_since is None:
+            record.missing_since = self.now
+        record.state = nxt
+        return nxt
+
+    def release(self, worker_id: str, assignment: Assignment) -> None:
+        """The worker let the assignment go (or never took it): the slot is free."""
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            self.move(worker, assignment, HoldEvent.RELEASED)
+
+    def unwanted(self, worker_id: str, assignment: Assignment) -> Hold | None:
+        """The router cancelled the assignment: the hold drains until the worker lets go."""
+        worker = self.workers.get(worker_id)
+        return None if worker is None else self.move(worker, assignment, HoldEvent.UNWANTED)
+
+    def confirm(self, worker_id: str, assignment: Assignment) -> None:
+        self.move(self.workers[worker_id], assignment, HoldEvent.CONFIRMED)
+
+    def expire_draining_offer(self, assignment: Assignment) -> None:
+        """An offer timer fired for an assignment nobody wants any more: stop counting
+        its slot unless the worker confirmed it (then the worker's word releases it)."""
+        for worker in self.workers.values():
+            record = worker.holds.get(assignment)
+            if record is not None and record.state is Hold.DRAINING_OFFER:
+                self.move(worker, assignment, HoldEvent.OFFER_EXPIRED)
+
+    # --- choosing workers ---
+
+    def fitting(self, context_tokens: int) -> list[WorkerRecord]:
+        """Healthy workers whose context holds the request."""
+        return [w for w in self.workers.values() if w.healthy and w.max_context >= context_tokens]
+
+    def candidate(
+        self, context_tokens: int, tried: set[str], exclude: str | None
+    ) -> WorkerRecord | None:
+        """Healthy, fitting, a free slot; untried first, then fewest holds, then id."""
+        best: WorkerRecord | None = None
+        best_key: tuple[bool, int, str] | None = None
+        for worker in self.fitting(context_tokens):
+            if worker.worker_id == exclude or len(worker.holds) >= worker.slots:
+                continue
+            key = (worker.worker_id in tried, len(worker.holds), worker.worker_id)
+            if best_key is None or key < best_key:
+                best, best_key = worker, key
+        return best
+
+    # --- reading ---
+
+    def views(self) -> tuple[WorkerView, ...]:
+        return tuple(
+            WorkerView(
+                worker_id=w.worker_id,
+                epoch=w.epoch,
+                healthy=w.healthy,
+                slots=w.slots,
+                held=len(w.holds),
+                reported_free_slots=w.free_slots,
+                max_context=w.max_context,
+            )
+            for w in self.workers.values()
+        )
+
+    def slot_usage(self) -> list[tuple[str, int, int]]:
+        """(worker id, slots the router counts as taken, slots) for each known worker."""
+        return [(w.worker_id, len(w.holds), w.slots) for w in self.workers.values()]
