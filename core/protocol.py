@@ -13,7 +13,6 @@ the assignment it considers active and drop everything else (the fence).
 
 from __future__ import annotations
 
-from collections.abc import Container
 from typing import Annotated, Literal
 
 from msgspec import Meta, Struct
@@ -77,16 +76,6 @@ class GenerationRequest(Struct, frozen=True):
             raise ValueError("max_new_tokens must be at least 1")
         if len(self.output_prefix) > self.max_new_tokens:
             raise ValueError("output_prefix is longer than max_new_tokens")
-
-    def ended_by_prefix(self, stop_token_ids: Container[int]) -> ClientFinishReason | None:
-        """A continuation whose output had already ended (only its Finished was lost):
-        how it ended, a stop token last (eos) or the whole budget used (length)."""
-        prefix = self.output_prefix
-        if not prefix:
-            return None
-        if prefix[-1] in stop_token_ids:
-            return "eos"
-        return "length" if len(prefix) >= self.max_new_tokens else None
 
     @property
     def context_tokens(self) -> int:
@@ -316,6 +305,9 @@ class DecoderFailed(Struct, frozen=True):
 class Drain(Struct, frozen=True):
     """The worker is shutting down: decline new offers, let active assignments finish."""
 
+
+DecoderEvent = Decoded | DecodeDone | DecoderFailed
+"""What a decoder reports to its worker."""
 
 WorkerEvent = (
     WorkerStart | FromRouterMessage | Decoded | DecodeDone | DecoderFailed | Drain | TimerFired

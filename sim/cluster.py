@@ -7,13 +7,12 @@ to duplicate, when a decoder makes a step and when time advances. The cluster
 executes the machines' effects faithfully and records what every client saw,
 so the oracles in check_safety() can judge the run after every step.
 
-The fake decoder is deterministic and autoregressive, like a real one: token
-k is a pure function of the prompt, the sampling seed, k and every output
-token before k (FakeContext), so every attempt of a greedy or seeded request,
-on any worker, produces the same output, and the client's stream must always
-be a prefix of reference_output(). A continuation (a request with an
-output_prefix) takes the prefix as context and so goes on exactly where the
-client is. Unseeded sampling (temperature > 0, no seed) is modelled as what
+Decoders run core's fake model (core/fake_model.py), which is deterministic
+and autoregressive like a real one, so every attempt of a greedy or seeded
+request, on any worker, produces the same output, and the client's stream
+must always be a prefix of reference_output(). A continuation (a request
+with an output_prefix) takes the prefix as context and so goes on exactly
+where the client is. Unseeded sampling (temperature > 0, no seed) is modelled as what
 it is on real hardware: each attempt draws a different sequence (the attempt
 number salts the function), so a client sees one attempt's output, or, after a
 resume, one attempt's prefix continued by a later attempt given that prefix.
@@ -25,12 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
 
+from core.fake_model import FakeDecode, reference_output
 from core.protocol import (
     ArmTimer,
     Assignment,
     ClientCancel,
-    Decoded,
     DecodeDone,
+    DecoderEvent,
     DecoderFailed,
     DeliverError,
     DeliverFinished,
@@ -58,71 +58,10 @@ from core.protocol import (
 from core.router import Router, RouterConfig
 from core.worker import Worker, WorkerConfig
 
-VOCAB = 50_000
-EOS_TOKEN = 0
-EOS_ONE_IN = 89  # the fake decoder ends a sequence with probability 1/89 per token
-_MASK = (1 << 64) - 1
-
 
 def diverges(request: GenerationRequest) -> bool:
     """Unseeded sampling: two attempts of this request draw different tokens."""
     return request.sampling.temperature > 0 and request.sampling.seed is None
-
-
-class FakeContext:
-    """The fake model's state: prompt, seed and salt, then each output token fed back."""
-
-    __slots__ = ("index", "state")
-
-    def __init__(
-        self, request: GenerationRequest, salt: int = 0, prefix: tuple[int, ...] | None = None
-    ) -> None:
-        mix = 0x9E3779B97F4A7C15 ^ (request.sampling.seed or 0) & _MASK
-        mix = ((mix ^ salt) * 0x100000001B3) & _MASK
-        for token in request.prompt_token_ids:
-            mix = ((mix ^ token) * 0x100000001B3) & _MASK
-        self.state = mix
-        self.index = 0
-        for token in request.output_prefix if prefix is None else prefix:
-            self.feed(token)
-
-    def next_token(self) -> int:
-        """The token at `index`, given everything fed so far (does not feed it)."""
-        mix = ((self.state ^ self.index) * 0xFF51AFD7ED558CCD) & _MASK
-        mix ^= mix >> 29
-        return EOS_TOKEN if mix % EOS_ONE_IN == 0 else 1 + mix % (VOCAB - 1)
-
-    def feed(self, token: int) -> None:
-        self.state = ((self.state ^ (token + 1)) * 0x100000001B3) & _MASK
-        self.index += 1
-
-
-def reference_tokens(request: GenerationRequest, count: int, salt: int = 0) -> list[int]:
-    """The first `count` tokens the fake model produces, EOS or not."""
-    context = FakeContext(request, salt)
-    tokens = []
-    for _ in range(count):
-        tokens.append(context.next_token())
-        context.feed(tokens[-1])
-    return tokens
-
-
-def reference_output(
-    request: GenerationRequest, salt: int = 0, prefix: tuple[int, ...] = ()
-) -> tuple[list[int], str]:
-    """What an undisturbed run returns, the tokens and the finish reason; with a
-    prefix, what a continuation from those tokens returns (prefix included)."""
-    context = FakeContext(request, salt, prefix)
-    tokens = list(prefix)
-    if tokens and tokens[-1] == EOS_TOKEN:
-        return tokens, "eos"
-    while len(tokens) < request.max_new_tokens:
-        token = context.next_token()
-        context.feed(token)
-        tokens.append(token)
-        if token == EOS_TOKEN:
-            return tokens, "eos"
-    return tokens, "length"
 
 
 class InvariantViolation(AssertionError):
@@ -156,11 +95,7 @@ class Decode:
 
     request: GenerationRequest
     started_at: float
-    context: FakeContext  # starts after a continuation's prefix
-
-    @property
-    def next_index(self) -> int:
-        return self.context.index
+    run: FakeDecode
 
 
 class Cluster:
@@ -278,21 +213,14 @@ class Cluster:
         self._send(packet.source, packet.to, packet.message)
 
     def decode_step(self, worker_id: str, assignment: Assignment) -> None:
-        """The fake decoder emits the next token of one running assignment."""
-        decode = self.decodes[worker_id][assignment]
-        index = decode.next_index
-        ended = decode.request.ended_by_prefix((EOS_TOKEN,))
-        if ended is not None and index == len(decode.request.output_prefix):
-            self.decodes[worker_id].pop(assignment, None)  # nothing to add
-            self._run_worker(worker_id, DecodeDone(assignment, ended))
-            return
-        token = decode.context.next_token()
-        decode.context.feed(token)
-        self._run_worker(worker_id, Decoded(assignment, index, token))
-        if token == EOS_TOKEN or decode.next_index >= decode.request.max_new_tokens:
-            self.decodes[worker_id].pop(assignment, None)
-            done = DecodeDone(assignment, "eos" if token == EOS_TOKEN else "length")
-            self._run_worker(worker_id, done)
+        """The fake decoder takes one step of one running assignment."""
+        decodes = self.decodes[worker_id]
+        events: list[DecoderEvent] = []
+        over = decodes[assignment].run.step(events)
+        for event in events:
+            if over and isinstance(event, DecodeDone):
+                decodes.pop(assignment, None)
+            self._run_worker(worker_id, event)
 
     def running_decodes(self) -> list[tuple[str, Assignment]]:
         return [(w, a) for w, decodes in self.decodes.items() for a in decodes]
@@ -443,8 +371,8 @@ class Cluster:
                 self._send(worker_id, None, message)
             case StartDecode(assignment, request):
                 salt = assignment.attempt if diverges(request) else 0
-                context = FakeContext(request, salt)
-                self.decodes[worker_id][assignment] = Decode(request, self.now, context)
+                run = FakeDecode(assignment, request, salt)
+                self.decodes[worker_id][assignment] = Decode(request, self.now, run)
             case StopDecode(assignment):
                 self.decodes[worker_id].pop(assignment, None)
             case ArmTimer(key, deadline):

@@ -28,9 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from random import Random
 
+from core.fake_model import VOCAB
 from core.protocol import DeliverError, DeliverFinished, GenerationRequest, Sampling
 from core.router import RouterConfig
-from sim.cluster import VOCAB, Cluster, InvariantViolation, Packet
+from sim.cluster import Cluster, InvariantViolation, Packet
 
 FAULT_KINDS = (
     "delay_spread",  # wide per-message delays: heavy reordering

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from adapters.engine.engine import Engine, EngineThread, sample_rows, token_seed
+from adapters.engine.engine import Engine, EngineThread, TokenDraw, sample_rows, token_seed
 from adapters.engine.llama import Projection, UnsupportedModel
 from adapters.engine.model import LoadedModel
 from core.batching import BatchLimits
@@ -113,7 +113,7 @@ def test_seeded_sampling_reproduces_whatever_shares_the_batch(tiny: LlamaForCaus
 def test_sampling_draws_depend_only_on_seed_and_index() -> None:
     torch.manual_seed(1)
     logits = torch.randn(3, VOCAB)
-    settings = [(0.0, 1.0, 5, 0), (1.0, 0.8, 5, 7), (0.7, 1.0, 6, 2)]
+    settings = [TokenDraw(0.0, 1.0, 5, 0), TokenDraw(1.0, 0.8, 5, 7), TokenDraw(0.7, 1.0, 6, 2)]
     first = sample_rows(logits, settings)
     assert first[0] == int(torch.argmax(logits[0]))
     assert sample_rows(logits, settings) == first
@@ -126,9 +126,9 @@ def test_sampling_draws_depend_only_on_seed_and_index() -> None:
 def test_top_p_keeps_only_the_nucleus() -> None:
     logits = torch.full((1, VOCAB), -30.0)
     logits[0, 3], logits[0, 4] = 5.0, 4.0  # ~73% and ~27%; everything else ~0
-    picks = {sample_rows(logits, [(1.0, 0.5, seed, 0)])[0] for seed in range(50)}
+    picks = {sample_rows(logits, [TokenDraw(1.0, 0.5, seed, 0)])[0] for seed in range(50)}
     assert picks == {3}
-    picks = {sample_rows(logits, [(1.0, 0.99, seed, 0)])[0] for seed in range(50)}
+    picks = {sample_rows(logits, [TokenDraw(1.0, 0.99, seed, 0)])[0] for seed in range(50)}
     assert picks == {3, 4}
 
 
@@ -167,6 +167,15 @@ def test_a_request_longer_than_a_slot_fails(tiny: LlamaForCausalLM) -> None:
 def test_out_of_vocabulary_prompt_is_refused(tiny: LlamaForCausalLM) -> None:
     with pytest.raises(ValueError, match="vocabulary"):
         engine(tiny).start(Assignment("v", 1), GenerationRequest("v", (1, VOCAB + 5), 4))
+
+
+def test_a_sampled_request_without_a_seed_is_refused(tiny: LlamaForCausalLM) -> None:
+    """Seeds are drawn in one place, the controller; the engine never makes one up."""
+    unseeded = GenerationRequest("u", PROMPTS[0], 4, Sampling(0.8, 1.0, None))
+    with pytest.raises(ValueError, match="seed"):
+        engine(tiny).start(Assignment("u", 1), unseeded)
+    greedy = GenerationRequest("g", PROMPTS[0], 4, Sampling(0.0, 1.0, None))
+    assert run(engine(tiny), [greedy])["g"][-1] == "length"
 
 
 def test_other_architectures_are_refused_clearly() -> None:

@@ -19,8 +19,8 @@ from adapters.openai.normalize import ChatMessage
 from adapters.openai.server import HttpLimits
 from adapters.runtime.worker_host import FakeDecoder
 from adapters.serve_command import ServeOptions
+from core.fake_model import reference_output, reference_tokens
 from core.protocol import DecoderFailed, GenerationRequest
-from sim.cluster import reference_output, reference_tokens
 from tests.http_helpers import ServerThread, chat_body, sse_events
 
 MODEL = FakeChatModel("fake", 2048)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from adapters.runtime.controller import Controller
+from adapters.runtime.controller import Controller, with_seed
 from adapters.runtime.embedded import run_local_worker
 from adapters.runtime.loop import Mailbox, Timers
 from adapters.runtime.tcp import RemoteWorker, TransportLimits, serve_workers
 from adapters.runtime.worker_host import FakeDecoder
+from core.fake_model import reference_output, reference_tokens
 from core.protocol import (
     Assignment,
     DeliverError,
@@ -17,13 +18,13 @@ from core.protocol import (
     GenerationRequest,
     Heartbeat,
     Offer,
+    Sampling,
     Token,
     ToWorker,
 )
 from core.router import RouterConfig
 from core.wire import encode_frame
 from core.worker import WorkerConfig
-from sim.cluster import reference_output, reference_tokens
 from tests.runtime_helpers import collect, healthy, raw_connection, settled, wait_until
 
 FAST = RouterConfig(offer_timeout_s=0.3, heartbeat_timeout_s=0.5, max_attempts=3)
@@ -98,6 +99,30 @@ def test_embedded_workers_serve_reference_outputs_and_leave_nothing_behind() -> 
                 assert isinstance(outcome, DeliverFinished) and outcome.reason == reason
             stats = await wait_until(controller, settled)
             assert sum(stats.router.outcomes.values()) == 20
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_the_controller_gives_every_sampled_request_a_seed_and_only_those() -> None:
+    greedy = GenerationRequest("g", (1, 2), 4)
+    seeded = GenerationRequest("s", (1, 2), 4, Sampling(0.7, 1.0, 42))
+    unseeded = GenerationRequest("u", (1, 2), 4, Sampling(0.7, 0.9, None))
+    assert with_seed(greedy) is greedy
+    assert with_seed(seeded) is seeded
+    drawn = {with_seed(unseeded).sampling.seed for _ in range(20)}
+    assert None not in drawn and len(drawn) == 20  # fresh each time
+    assert with_seed(unseeded).sampling.top_p == 0.9
+
+    async def main() -> None:
+        controller = Controller(FAST)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(controller.run)
+            await nursery.start(run_local_worker, controller, worker("w1"), FakeDecoder())
+            stream = controller.submit(unseeded)
+            assert stream.request.sampling.seed is not None  # what the router was given
+            tokens, _ = await collect(stream)
+            assert tokens == reference_output(stream.request)[0]
             nursery.cancel_scope.cancel()
 
     trio.run(main)

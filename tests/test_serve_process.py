@@ -128,8 +128,8 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 30) -> None:
 def test_kill_9_mid_stream_the_sdk_stream_resumes_on_the_other_worker(resume: bool) -> None:
     from adapters.openai.models import FakeChatModel
     from adapters.openai.normalize import ChatMessage
+    from core.fake_model import reference_tokens
     from core.protocol import GenerationRequest
-    from sim.cluster import reference_tokens
 
     serve, _, base, worker_port = start_cluster(*([] if resume else ["--no-resume"]))
     first = second = None

@@ -20,6 +20,7 @@ import trio
 
 from adapters.runtime.controller import Controller
 from adapters.runtime.tcp import serve_workers
+from core.fake_model import reference_tokens
 from core.protocol import (
     Assignment,
     DeliverError,
@@ -30,7 +31,6 @@ from core.protocol import (
 )
 from core.router import RouterConfig
 from core.wire import encode_frame
-from sim.cluster import reference_tokens
 from tests.runtime_helpers import collect, healthy, raw_connection, settled, wait_until
 
 HEARTBEAT_TIMEOUT_S = 0.5

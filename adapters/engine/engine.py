@@ -9,28 +9,39 @@ Sampling: greedy at temperature 0; otherwise temperature, then top_p, then a
 draw from a torch.Generator seeded by (request seed, token index). Each token's
 randomness depends on nothing else, so a request reproduces whatever shares its
 batch, and a continuation that starts at index k draws exactly what an
-uninterrupted run would. A request without a seed gets one drawn at start.
+uninterrupted run would. A sampled request must carry its seed: the runtime's
+controller draws one for every request that comes without (the one place
+seeds are drawn), so that every attempt of a request draws alike; the engine
+refuses a sampled request without one.
+
+What happens to a chosen token (its index, the stop rule, an already-ended
+continuation) is core/decoding.py's Generation, shared with the fake decoders.
 """
 
 from __future__ import annotations
 
 import heapq
 import queue
-import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from adapters.engine.llama import LlamaRunner
 from adapters.engine.model import LoadedModel
 from core.batching import BatchLimits, Running, Waiting, admit, plan_step
-from core.protocol import Assignment, Decoded, DecodeDone, DecoderFailed, GenerationRequest
+from core.decoding import Generation
+from core.protocol import (
+    Assignment,
+    DecodeDone,
+    DecoderEvent,
+    DecoderFailed,
+    GenerationRequest,
+)
 
-EngineEvent = Decoded | DecodeDone
 _MASK63 = (1 << 63) - 1
 
 
@@ -42,17 +53,34 @@ def token_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) & _MASK63
 
 
+class TokenDraw(NamedTuple):
+    """How to choose one token of one row: temperature 0 is greedy; seed and index fix
+    the random draw."""
+
+    temperature: float
+    top_p: float
+    seed: int
+    token_index: int
+
+
 @dataclass
 class _Sequence:
     key: int
-    assignment: Assignment
     request: GenerationRequest
-    seed: int
-    stop_ids: frozenset[int]
+    generation: Generation  # the output so far: a continuation starts with its prefix
     context: tuple[int, ...]  # what prefill puts in the cache: prompt + any output prefix
     slot: int = -1
     prefilled: int = 0
-    generated: list[int] = field(default_factory=list)  # a continuation starts with its prefix
+
+    @property
+    def assignment(self) -> Assignment:
+        return self.generation.assignment
+
+    def draw(self) -> TokenDraw:
+        """The draw for this sequence's next token."""
+        sampling = self.request.sampling
+        seed = 0 if sampling.seed is None else sampling.seed  # only greedy has none
+        return TokenDraw(sampling.temperature, sampling.top_p, seed, self.generation.next_index)
 
 
 @dataclass
@@ -80,8 +108,7 @@ class Engine:
         self._running: dict[int, _Sequence] = {}
         self._by_assignment: dict[Assignment, int] = {}
         self._free_slots = list(range(limits.max_seqs))  # a heap: lowest slot first
-        self._ended: list[EngineEvent] = []  # continuations that were over at start
-        self._seeds = random.SystemRandom()
+        self._ended: list[DecoderEvent] = []  # continuations that were over at start
         self.last_step = StepTiming()
 
     # --- commands ---
@@ -94,21 +121,15 @@ class Engine:
         bad = [t for t in context if t >= vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:3]} are outside the vocabulary ({vocab})")
+        if request.sampling.temperature > 0 and request.sampling.seed is None:
+            raise ValueError("a sampled request needs a seed (the controller gives each one)")
         self._keys += 1
-        seed = request.sampling.seed
         stop_ids = self.loaded.eos_token_ids | frozenset(request.stop_token_ids)
-        seq = _Sequence(
-            key=self._keys,
-            assignment=assignment,
-            request=request,
-            seed=self._seeds.getrandbits(63) if seed is None else seed,
-            stop_ids=stop_ids,
-            context=context,
-            generated=list(request.output_prefix),
-        )
-        ended = request.ended_by_prefix(stop_ids)
+        generation = Generation(assignment, request, stop_ids)
+        seq = _Sequence(self._keys, request, generation, context)
+        ended = generation.ended_at_start()
         if ended is not None:  # nothing to add; say so in the next step
-            self._ended.append(DecodeDone(assignment, ended))
+            self._ended.append(ended)
             return
         self._waiting[seq.key] = seq
         self._by_assignment[assignment] = seq.key
@@ -132,9 +153,9 @@ class Engine:
 
     # --- one step ---
 
-    def step(self) -> list[EngineEvent]:
+    def step(self) -> list[DecoderEvent]:
         began = time.perf_counter()
-        events: list[EngineEvent] = list(self._ended)
+        events: list[DecoderEvent] = list(self._ended)
         self._ended.clear()
         self._admit(events)
         running = [
@@ -154,7 +175,7 @@ class Engine:
         )
         return events
 
-    def _admit(self, events: list[EngineEvent]) -> None:
+    def _admit(self, events: list[DecoderEvent]) -> None:
         waiting = [Waiting(s.key, s.request.context_tokens) for s in self._waiting.values()]
         decision = admit(waiting, len(self._running), self.limits)
         for key in decision.rejected:
@@ -166,46 +187,31 @@ class Engine:
             seq.slot = heapq.heappop(self._free_slots)
             self._running[key] = seq
 
-    def _decode(self, seqs: list[_Sequence], events: list[EngineEvent]) -> None:
+    def _decode(self, seqs: list[_Sequence], events: list[DecoderEvent]) -> None:
         device = self.device
         slots = torch.tensor([s.slot for s in seqs], device=device)
         positions = torch.tensor(
-            [len(s.request.prompt_token_ids) + len(s.generated) - 1 for s in seqs], device=device
+            [len(s.request.prompt_token_ids) + s.generation.next_index - 1 for s in seqs],
+            device=device,
         )
-        tokens = torch.tensor([s.generated[-1] for s in seqs], device=device)
+        tokens = torch.tensor([s.generation.output[-1] for s in seqs], device=device)
         logits = self.runner.decode(slots, positions, tokens)
-        picks = sample_rows(logits, [self._settings(seq) for seq in seqs])
+        picks = sample_rows(logits, [seq.draw() for seq in seqs])
         for seq, token in zip(seqs, picks, strict=True):
             self._emit(seq, token, events)
 
-    def _prefill(self, seq: _Sequence, count: int, events: list[EngineEvent]) -> None:
+    def _prefill(self, seq: _Sequence, count: int, events: list[DecoderEvent]) -> None:
         prompt = seq.context
         chunk = torch.tensor(prompt[seq.prefilled : seq.prefilled + count], device=self.device)
         logits = self.runner.prefill(seq.slot, seq.prefilled, chunk)
         seq.prefilled += count
         if seq.prefilled == len(prompt):
-            [token] = sample_rows(logits[None], [self._settings(seq)])
+            [token] = sample_rows(logits[None], [seq.draw()])
             self._emit(seq, token, events)
 
-    @staticmethod
-    def _settings(seq: _Sequence) -> tuple[float, float, int, int]:
-        sampling = seq.request.sampling
-        return (sampling.temperature, sampling.top_p, seq.seed, len(seq.generated))
-
-    def _emit(self, seq: _Sequence, token: int, events: list[EngineEvent]) -> None:
-        index = len(seq.generated)
-        seq.generated.append(token)
-        events.append(Decoded(seq.assignment, index, token))
-        if token in seq.stop_ids:
-            self._finish(seq, "eos", events)
-        elif len(seq.generated) >= seq.request.max_new_tokens:
-            self._finish(seq, "length", events)
-
-    def _finish(
-        self, seq: _Sequence, reason: Literal["eos", "length"], events: list[EngineEvent]
-    ) -> None:
-        self.stop(seq.assignment)
-        events.append(DecodeDone(seq.assignment, reason))
+    def _emit(self, seq: _Sequence, token: int, events: list[DecoderEvent]) -> None:
+        if seq.generation.emit(token, events):
+            self.stop(seq.assignment)  # its slot is free for the next step
 
     def reset(self) -> list[Assignment]:
         """Forget everything (after a failed step); returns what was dropped."""
@@ -215,8 +221,8 @@ class Engine:
         return dropped
 
 
-def sample_rows(logits: torch.Tensor, settings: list[tuple[float, float, int, int]]) -> list[int]:
-    """One token per row of logits [rows, vocab]; settings are (temperature, top_p, seed, index).
+def sample_rows(logits: torch.Tensor, draws: list[TokenDraw]) -> list[int]:
+    """One token per row of logits [rows, vocab], each chosen as its TokenDraw says.
 
     Greedy rows take the argmax. Sampled rows use inverse-CDF sampling with one
     uniform number from a generator seeded by (seed, index), so the same
@@ -227,18 +233,18 @@ def sample_rows(logits: torch.Tensor, settings: list[tuple[float, float, int, in
     the result is exact either way.
     """
     picks = torch.argmax(logits, dim=-1).tolist()
-    sampled = [row for row, (temperature, _, _, _) in enumerate(settings) if temperature > 0]
+    sampled = [row for row, draw in enumerate(draws) if draw.temperature > 0]
     if not sampled:
         return [int(p) for p in picks]
     rows = torch.tensor(sampled, device=logits.device)
     temperatures = torch.tensor(
-        [settings[r][0] for r in sampled], device=logits.device, dtype=torch.float32
+        [draws[r].temperature for r in sampled], device=logits.device, dtype=torch.float32
     )
     probs = torch.softmax(logits[rows].float() / temperatures[:, None], dim=-1)
     top_probs, top_ids = torch.topk(probs, min(_NUCLEUS_PROBE, probs.shape[-1]), dim=-1)
     top_mass = top_probs.sum(dim=-1).tolist()
     for i, row in enumerate(sampled):
-        _, top_p, seed, index = settings[row]
+        _, top_p, seed, index = draws[row]
         generator = torch.Generator(device="cpu").manual_seed(token_seed(seed, index))
         uniform = float(torch.rand(1, generator=generator))
         if top_p >= 1.0:
@@ -261,39 +267,61 @@ def sample_rows(logits: torch.Tensor, settings: list[tuple[float, float, int, in
 _NUCLEUS_PROBE = 64
 
 
+@dataclass(frozen=True, slots=True)
+class Start:
+    """Begin decoding an assignment."""
+
+    assignment: Assignment
+    request: GenerationRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Drop an assignment at once."""
+
+    assignment: Assignment
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    """Wake the thread so it sees it is closed."""
+
+
+Command = Start | Stop | Close
+
+
 class EngineThread:
     """Runs an Engine's steps on its own thread; results go to `on_events`.
 
-    start() and stop() may be called from any thread. `on_events` is called on
-    the engine thread with each step's events (the runtime hands them to its
-    event loop). A step that raises ends every assignment: DecoderFailed.
+    start() and stop() may be called from any thread; they queue commands,
+    which the thread takes, all of them, before each step. `on_events` is
+    called on the engine thread with each step's events (the runtime hands them
+    to its event loop). A step that raises ends every assignment: DecoderFailed.
     """
 
     def __init__(
         self,
         engine: Engine,
-        on_events: Callable[[list[Any]], None],
+        on_events: Callable[[list[DecoderEvent]], None],
         threads: int | None = None,
     ) -> None:
         self.engine = engine
         self._on_events = on_events
         self._threads = threads
-        self._commands: queue.SimpleQueue[tuple[str, Assignment, GenerationRequest | None]] = (
-            queue.SimpleQueue()
-        )
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fencepost-engine", daemon=True)
         self._thread.start()
 
     def start(self, assignment: Assignment, request: GenerationRequest) -> None:
-        self._commands.put(("start", assignment, request))
+        self._commands.put(Start(assignment, request))
 
     def stop(self, assignment: Assignment) -> None:
-        self._commands.put(("stop", assignment, None))
+        self._commands.put(Stop(assignment))
 
     def close(self, timeout_s: float = 10.0) -> None:
         self._closed.set()
-        self._commands.put(("wake", Assignment("-", 1), None))
+        self._commands.put(Close())
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
@@ -313,19 +341,22 @@ class EngineThread:
             if self.engine.has_work() and not self._closed.is_set():
                 self._step()
 
-    def _apply(self, command: tuple[str, Assignment, GenerationRequest | None]) -> None:
-        kind, assignment, request = command
-        if kind == "start" and request is not None:
-            try:
-                self.engine.start(assignment, request)
-            except ValueError:
-                self._on_events([DecodeDone(assignment, "failed")])
-        elif kind == "stop":
-            self.engine.stop(assignment)
+    def _apply(self, command: Command) -> None:
+        match command:
+            case Start(assignment, request):
+                try:
+                    self.engine.start(assignment, request)
+                except ValueError:
+                    self._on_events([DecodeDone(assignment, "failed")])
+            case Stop(assignment):
+                self.engine.stop(assignment)
+            case Close():
+                pass  # the loop checks _closed
 
     def _step(self) -> None:
+        events: list[DecoderEvent]
         try:
-            events: list[Any] = self.engine.step()
+            events = self.engine.step()
         except Exception as error:  # a broken forward pass must not kill the thread
             self.engine.reset()
             events = [DecoderFailed(f"{type(error).__name__}: {error}")]

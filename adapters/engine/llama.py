@@ -16,7 +16,7 @@ error at start.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,17 @@ def _rope_theta(config: Any) -> float:
     return float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
+class LayerWeights(NamedTuple):
+    """One decoder layer's weights, q/k/v and gate/up fused into one matrix each."""
+
+    input_norm: torch.Tensor
+    qkv: Projection
+    o: Projection
+    post_norm: torch.Tensor
+    gate_up: Projection
+    down: Projection
+
+
 class LlamaRunner:
     def __init__(self, model: Any, max_seqs: int, max_context: int, weights: str = "float") -> None:
         _check_supported(model)
@@ -68,21 +79,19 @@ class LlamaRunner:
             self.embed = model.model.embed_tokens.weight.detach()
             self.final_norm = model.model.norm.weight.detach()
             self.lm_head = Projection(model.lm_head.weight.detach(), int8)
-            self.layers: list[
-                tuple[torch.Tensor, Projection, Projection, torch.Tensor, Projection, Projection]
-            ] = []
+            self.layers: list[LayerWeights] = []
             for layer in model.model.layers:
                 attn, mlp = layer.self_attn, layer.mlp
                 qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
                 gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
                 self.layers.append(
-                    (
-                        layer.input_layernorm.weight.detach(),
-                        Projection(qkv.detach().contiguous(), int8),
-                        Projection(attn.o_proj.weight.detach(), int8),
-                        layer.post_attention_layernorm.weight.detach(),
-                        Projection(gate_up.detach().contiguous(), int8),
-                        Projection(mlp.down_proj.weight.detach(), int8),
+                    LayerWeights(
+                        input_norm=layer.input_layernorm.weight.detach(),
+                        qkv=Projection(qkv.detach().contiguous(), int8),
+                        o=Projection(attn.o_proj.weight.detach(), int8),
+                        post_norm=layer.post_attention_layernorm.weight.detach(),
+                        gate_up=Projection(gate_up.detach().contiguous(), int8),
+                        down=Projection(mlp.down_proj.weight.detach(), int8),
                     )
                 )
         half = self.head_dim // 2
@@ -123,8 +132,8 @@ class LlamaRunner:
         length = int(positions.max()) + 1
         span = torch.arange(length, device=self.device)
         mask = (span[None, :] <= positions[:, None])[:, None, None, :]
-        for index, (norm1, qkv_w, o_w, norm2, gate_up_w, down_w) in enumerate(self.layers):
-            q, k, v = self._qkv(x, norm1, qkv_w)
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._qkv(x, layer)
             q = q.view(rows, self.heads, self.head_dim)
             k = k.view(rows, self.kv_heads, self.head_dim)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -138,8 +147,8 @@ class LlamaRunner:
             attn = F.scaled_dot_product_attention(
                 q[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=True
             )
-            x = x + o_w(attn.reshape(rows, self._q_size))
-            x = x + self._mlp(x, norm2, gate_up_w, down_w)
+            x = x + layer.o(attn.reshape(rows, self._q_size))
+            x = x + self._mlp(x, layer)
         return self._logits(x)
 
     @torch.inference_mode()
@@ -152,8 +161,8 @@ class LlamaRunner:
         span = torch.arange(end, device=self.device)
         positions = torch.arange(start, end, device=self.device)
         mask = (span[None, :] <= positions[:, None])[None, None, :, :]
-        for index, (norm1, qkv_w, o_w, norm2, gate_up_w, down_w) in enumerate(self.layers):
-            q, k, v = self._qkv(x, norm1, qkv_w)
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._qkv(x, layer)
             q = _rotate(q.view(count, self.heads, self.head_dim), cos, sin)
             k = _rotate(k.view(count, self.kv_heads, self.head_dim), cos, sin)
             k_cache, v_cache = self.k_cache[index], self.v_cache[index]
@@ -168,23 +177,21 @@ class LlamaRunner:
                 attn_mask=mask,
                 enable_gqa=True,
             )
-            x = x + o_w(attn[0].transpose(0, 1).reshape(count, self._q_size))
-            x = x + self._mlp(x, norm2, gate_up_w, down_w)
+            x = x + layer.o(attn[0].transpose(0, 1).reshape(count, self._q_size))
+            x = x + self._mlp(x, layer)
         return self._logits(x[-1:])[0]
 
     def _qkv(
-        self, x: torch.Tensor, norm: torch.Tensor, weight: Projection
+        self, x: torch.Tensor, layer: LayerWeights
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        fused = weight(_rms_norm(x, norm, self.eps))
+        fused = layer.qkv(_rms_norm(x, layer.input_norm, self.eps))
         q = fused[..., : self._q_size]
         k = fused[..., self._q_size : self._q_size + self._kv_size]
         return q, k, fused[..., self._q_size + self._kv_size :]
 
-    def _mlp(
-        self, x: torch.Tensor, norm: torch.Tensor, gate_up: Projection, down: Projection
-    ) -> torch.Tensor:
-        gate, up = gate_up(_rms_norm(x, norm, self.eps)).chunk(2, dim=-1)
-        return down(F.silu(gate) * up)
+    def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        gate, up = layer.gate_up(_rms_norm(x, layer.post_norm, self.eps)).chunk(2, dim=-1)
+        return layer.down(F.silu(gate) * up)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(_rms_norm(x, self.final_norm, self.eps)).float()

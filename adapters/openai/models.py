@@ -1,9 +1,11 @@
 """What the HTTP boundary needs from a model: its id, context, chat template, decoder.
 
 ChatModel wraps a transformers tokenizer (the one the engine was loaded
-with). FakeChatModel pairs with the runtime's FakeDecoder for tests and load
-runs: a made-up vocabulary of whole words and punctuation, a plain-text chat
-template, and no model weights at all.
+with). FakeChatModel is the text side of core's fake model (core/fake_model.py,
+which the runtime's FakeDecoder runs) for tests and load runs: a made-up
+vocabulary of whole words and punctuation, a plain-text chat template, and no
+model weights at all; the fake end-of-sequence token decodes to nothing, as a
+real tokenizer skips its special tokens.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from adapters.openai.normalize import ChatMessage
+from core.fake_model import EOS_TOKEN
 
 
 class ServedModel(Protocol):
@@ -51,7 +54,7 @@ FAKE_WORDS = (
 
 
 class FakeChatModel:
-    """Token id t decodes to FAKE_WORDS[t % len]; token 0 (the fake EOS) to nothing."""
+    """Token id t decodes to FAKE_WORDS[t % len]; the fake EOS to nothing."""
 
     def __init__(self, model_id: str = "fake", max_context: int = 4096) -> None:
         self.id = model_id
@@ -59,7 +62,7 @@ class FakeChatModel:
 
     def tokenize_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
         text = "".join(f"<{m.role}>{m.content}\n" for m in messages) + "<assistant>"
-        return [1 + (ord(c) % 30_000) for c in text]
+        return [1 + (ord(c) % 30_000) for c in text]  # within the fake VOCAB
 
     def decode(self, token_ids: list[int]) -> str:
-        return "".join(FAKE_WORDS[t % len(FAKE_WORDS)] for t in token_ids if t != 0)
+        return "".join(FAKE_WORDS[t % len(FAKE_WORDS)] for t in token_ids if t != EOS_TOKEN)

@@ -17,7 +17,6 @@ closed, and closing it cancels the pump, which cancels the request.
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import Sequence
@@ -26,7 +25,6 @@ from typing import Any, NamedTuple
 
 import msgspec
 import trio
-from msgspec.structs import replace
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -289,13 +287,7 @@ class FencepostApp:
         )
         if isinstance(job, OpenAIError):
             return self._reject(job)
-        sampling = job.request.sampling
-        if sampling.temperature > 0 and sampling.seed is None:
-            # Every sampled request gets a seed, so that a stream resumed on another
-            # worker draws exactly what its first worker would have.
-            seeded = replace(sampling, seed=secrets.randbits(63))
-            job = replace(job, request=replace(job.request, sampling=seeded))
-        stream = self.controller.submit(job.request)
+        stream = self.controller.submit(job.request)  # it seeds a sampled request without one
         if isinstance(stream.outcome, DeliverError):  # refused at once: still an HTTP error
             outcome = stream.outcome
             self.metrics.requests.labels(f"error_{outcome.kind}").inc()

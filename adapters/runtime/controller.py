@@ -12,17 +12,24 @@ re-entered.
 The interface is free of OpenAI JSON: submit(GenerationRequest) returns a
 RequestStream of deliveries (tokens in index order, then exactly one terminal
 outcome); cancel(request_id); statistics().
+
+Seeds: submit() is the one place a sampling seed is drawn. A sampled request
+that comes without one gets one here, before the router sees it, so every
+attempt of it (a retry, a continuation on another worker) draws exactly what
+the first would have; decoders refuse a sampled request without a seed.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from collections import Counter, deque
 from collections.abc import Hashable
 from typing import Protocol
 
 import trio
 from msgspec import Struct
+from msgspec.structs import replace
 
 from adapters.runtime.loop import Serial, Timers
 from core.protocol import (
@@ -130,6 +137,14 @@ class RequestStream:
         self.cancel()
 
 
+def with_seed(request: GenerationRequest) -> GenerationRequest:
+    """The request as the router should see it: sampled requests always carry a seed."""
+    sampling = request.sampling
+    if sampling.temperature == 0 or sampling.seed is not None:
+        return request
+    return replace(request, sampling=replace(sampling, seed=secrets.randbits(63)))
+
+
 class Controller:
     def __init__(self, config: RouterConfig | None = None) -> None:
         self.router = Router(config)
@@ -152,13 +167,13 @@ class Controller:
     def submit(self, request: GenerationRequest) -> RequestStream:
         if request.request_id in self._streams:
             raise ValueError(f"request id {request.request_id!r} is already active")
-        stream = RequestStream(self, request)
+        stream = RequestStream(self, with_seed(request))
         if not self._accepting:
             rid = request.request_id
             stream.push(DeliverError(rid, "overloaded", "the server is shutting down"))
             return stream
         self._streams[request.request_id] = stream
-        self._feed(Submit(request))
+        self._feed(Submit(stream.request))
         return stream
 
     def cancel(self, request_id: str) -> None:

@@ -32,7 +32,7 @@ import trio
 from adapters.runtime.controller import Controller
 from adapters.runtime.loop import Mailbox
 from adapters.runtime.worker_host import Decoder, WorkerHost
-from core.protocol import AnyWireMessage, FromWorker, Heartbeat, ToWorker
+from core.protocol import AnyWireMessage, DecoderEvent, FromWorker, Heartbeat, ToWorker
 from core.wire import DEFAULT_MAX_FRAME_BYTES, FrameReader, WireError, encode_frame
 from core.worker import WorkerConfig
 
@@ -284,7 +284,7 @@ class RemoteWorker:
         if outbox is not None:
             await outbox.wait_below(outbox.limit // 2)
 
-    def _emit(self, events: list[object]) -> None:
+    def _emit(self, events: list[DecoderEvent]) -> None:
         if self.host is not None:
             self.host.on_decoder_events(events)
         # else: between connections; the new epoch never started these

@@ -9,9 +9,10 @@ the decoder. Two decoders are provided:
   events come back into the trio loop with run_sync_soon, so the loop never
   waits on a forward pass.
 - FakeDecoder: a deterministic, instant stand-in for tests and for measuring
-  the runtime's own overhead. It is sim.cluster's fake model (FakeContext):
-  autoregressive and deterministic, so every worker agrees on every greedy or
-  seeded output, and a continuation goes on exactly where its prefix ends.
+  the runtime's own overhead. It runs core's fake model (core/fake_model.py),
+  the simulator's too: autoregressive and deterministic, so every worker
+  agrees on every greedy or seeded output, and a continuation goes on exactly
+  where its prefix ends.
 """
 
 from __future__ import annotations
@@ -21,17 +22,16 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from adapters.runtime.loop import Serial, Timers
+from core.fake_model import FakeDecode
 from core.protocol import (
     ArmTimer,
     Assignment,
-    Decoded,
-    DecodeDone,
-    DecoderFailed,
+    DecoderEvent,
     DisarmTimer,
     Drain,
     FromRouterMessage,
@@ -46,12 +46,14 @@ from core.protocol import (
     WorkerStart,
 )
 from core.worker import Worker, WorkerConfig
-from sim.cluster import EOS_TOKEN, FakeContext
+
+if TYPE_CHECKING:
+    from adapters.engine.engine import Engine, EngineThread
+    from adapters.engine.model import LoadedModel
 
 log = logging.getLogger("fencepost.worker")
 
-DecoderEvent = Decoded | DecodeDone | DecoderFailed
-Emit = Callable[[list[Any]], None]
+Emit = Callable[[list[DecoderEvent]], None]
 Pace = Callable[[], Awaitable[None]]
 
 
@@ -99,7 +101,7 @@ class WorkerHost:
     def from_router(self, message: ToWorker) -> None:
         self.feed(FromRouterMessage(message))
 
-    def on_decoder_events(self, events: list[Any]) -> None:
+    def on_decoder_events(self, events: list[DecoderEvent]) -> None:
         for event in events:
             self.feed(event)
 
@@ -132,10 +134,8 @@ class WorkerHost:
 
 @dataclass(slots=True)
 class _FakeRun:
-    request: GenerationRequest
     ready_at: float  # prefill ends; the first token may come
-    context: FakeContext
-    stops: tuple[int, ...]  # tokens that end it: EOS and its stop ids, none if EOS is ignored
+    decode: FakeDecode
 
 
 class FakeDecoder:
@@ -157,8 +157,8 @@ class FakeDecoder:
 
     def start(self, assignment: Assignment, request: GenerationRequest) -> None:
         ready_at = trio.current_time() + self.prefill_s
-        stops = () if self.ignore_eos else (EOS_TOKEN, *request.stop_token_ids)
-        self._running[assignment] = _FakeRun(request, ready_at, FakeContext(request), stops)
+        decode = FakeDecode(assignment, request, ignore_eos=self.ignore_eos)
+        self._running[assignment] = _FakeRun(ready_at, decode)
         self._lot.unpark_all()
 
     def stop(self, assignment: Assignment) -> None:
@@ -189,22 +189,11 @@ class FakeDecoder:
             else:
                 await trio.lowlevel.checkpoint()
 
-    def _step(self, ready: list[tuple[Assignment, _FakeRun]]) -> list[Any]:
-        events: list[Any] = []
+    def _step(self, ready: list[tuple[Assignment, _FakeRun]]) -> list[DecoderEvent]:
+        events: list[DecoderEvent] = []
         for assignment, run in ready:
-            at_start = run.context.index == len(run.request.output_prefix)
-            ended = run.request.ended_by_prefix(run.stops) if at_start else None
-            if ended is not None:
-                del self._running[assignment]  # nothing to add
-                events.append(DecodeDone(assignment, ended))
-                continue
-            token = run.context.next_token()
-            events.append(Decoded(assignment, run.context.index, token))
-            run.context.feed(token)
-            stopped = token in run.stops
-            if stopped or run.context.index >= run.request.max_new_tokens:
+            if run.decode.step(events):
                 del self._running[assignment]
-                events.append(DecodeDone(assignment, "eos" if stopped else "length"))
         self.steps += 1
         return events
 
@@ -223,7 +212,7 @@ def default_threads(device_type: str) -> int | None:
 
 
 def engine_decoder(
-    loaded: Any, slots: int, max_context: int, weights: str, threads: int | None
+    loaded: LoadedModel, slots: int, max_context: int, weights: str, threads: int | None
 ) -> EngineDecoder:
     """The torch engine for a loaded model: `slots` sequences of at most max_context
     tokens (capped at the model's own), stepping on its own thread."""
@@ -240,16 +229,18 @@ class EngineDecoder:
     threads=None: one core is left to the event loop (default_threads).
     """
 
-    def __init__(self, engine: Any, threads: int | None = None) -> None:
+    def __init__(self, engine: Engine, threads: int | None = None) -> None:
         self.engine = engine
         self.threads = threads if threads is not None else default_threads(engine.device.type)
-        self._thread: Any = None
+        self._thread: EngineThread | None = None
 
     def start(self, assignment: Assignment, request: GenerationRequest) -> None:
+        assert self._thread is not None, "start the decoder (run) before giving it work"
         self._thread.start(assignment, request)
 
     def stop(self, assignment: Assignment) -> None:
-        self._thread.stop(assignment)
+        if self._thread is not None:
+            self._thread.stop(assignment)
 
     async def run(
         self,
@@ -264,7 +255,7 @@ class EngineDecoder:
 
         token = trio.lowlevel.current_trio_token()
 
-        def from_engine_thread(events: list[Any]) -> None:
+        def from_engine_thread(events: list[DecoderEvent]) -> None:
             # If the event loop is gone, so is everyone who wanted these events.
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(emit, events)

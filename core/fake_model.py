@@ -1,0 +1,121 @@
+"""The deterministic fake model: a stand-in for a language model, with no weights.
+
+The simulator decodes with it, and so do `fencepost serve --fake`, `fencepost
+worker --fake` and the runtime and HTTP tests; one definition, so the
+simulator's references and the fake servers' outputs can never disagree.
+
+It is autoregressive, like a real model: token k is a pure function of the
+prompt, the sampling seed, a salt, k, and every output token before k
+(FakeContext). So every attempt of a greedy or seeded request, on any worker,
+produces the same output, and a continuation (a request with an
+output_prefix) takes the prefix as context and goes on exactly where an
+undisturbed run would. The salt lets a caller model unseeded sampling, where
+two attempts draw different tokens (the simulator salts by attempt).
+
+Token EOS_TOKEN (0) ends a sequence; it comes up about once in EOS_ONE_IN
+tokens. Other tokens are 1..VOCAB-1.
+"""
+
+from __future__ import annotations
+
+from msgspec.structs import replace
+
+from core.decoding import Generation
+from core.protocol import Assignment, DecodeDone, DecoderEvent, GenerationRequest
+
+VOCAB = 50_000
+EOS_TOKEN = 0
+EOS_ONE_IN = 89
+_MASK = (1 << 64) - 1
+
+
+class FakeContext:
+    """The fake model's state: prompt, seed and salt, then each output token fed back."""
+
+    __slots__ = ("index", "state")
+
+    def __init__(
+        self, request: GenerationRequest, salt: int = 0, prefix: tuple[int, ...] | None = None
+    ) -> None:
+        mix = 0x9E3779B97F4A7C15 ^ (request.sampling.seed or 0) & _MASK
+        mix = ((mix ^ salt) * 0x100000001B3) & _MASK
+        for token in request.prompt_token_ids:
+            mix = ((mix ^ token) * 0x100000001B3) & _MASK
+        self.state = mix
+        self.index = 0
+        for token in request.output_prefix if prefix is None else prefix:
+            self.feed(token)
+
+    def next_token(self) -> int:
+        """The token at `index`, given everything fed so far (does not feed it)."""
+        mix = ((self.state ^ self.index) * 0xFF51AFD7ED558CCD) & _MASK
+        mix ^= mix >> 29
+        return EOS_TOKEN if mix % EOS_ONE_IN == 0 else 1 + mix % (VOCAB - 1)
+
+    def feed(self, token: int) -> None:
+        self.state = ((self.state ^ (token + 1)) * 0x100000001B3) & _MASK
+        self.index += 1
+
+
+def fake_stop_ids(request: GenerationRequest, ignore_eos: bool = False) -> frozenset[int]:
+    """What ends a fake output: EOS and the request's own stop ids (none with ignore_eos)."""
+    return frozenset() if ignore_eos else frozenset((EOS_TOKEN, *request.stop_token_ids))
+
+
+class FakeDecode:
+    """One assignment decoding on the fake model, one token per step."""
+
+    __slots__ = ("context", "generation", "started")
+
+    def __init__(
+        self,
+        assignment: Assignment,
+        request: GenerationRequest,
+        salt: int = 0,
+        ignore_eos: bool = False,
+    ) -> None:
+        self.context = FakeContext(request, salt)
+        self.generation = Generation(assignment, request, fake_stop_ids(request, ignore_eos))
+        self.started = False
+
+    @property
+    def next_index(self) -> int:
+        return self.generation.next_index
+
+    def step(self, events: list[DecoderEvent]) -> bool:
+        """Append the next step's events (the next token, or the end of a continuation
+        that had already ended); True when the assignment is over."""
+        if not self.started:
+            self.started = True
+            done = self.generation.ended_at_start()
+            if done is not None:
+                events.append(done)
+                return True
+        token = self.context.next_token()
+        self.context.feed(token)
+        return self.generation.emit(token, events)
+
+
+def reference_output(
+    request: GenerationRequest, salt: int = 0, prefix: tuple[int, ...] = ()
+) -> tuple[list[int], str]:
+    """What an undisturbed run returns, the tokens and the finish reason; with a prefix,
+    what a continuation from those tokens returns (prefix included)."""
+    continuation = replace(request, output_prefix=prefix)
+    run = FakeDecode(Assignment(request.request_id, 1), continuation, salt)
+    events: list[DecoderEvent] = []
+    while not run.step(events):
+        pass
+    done = events[-1]
+    assert isinstance(done, DecodeDone)
+    return run.generation.output, done.reason
+
+
+def reference_tokens(request: GenerationRequest, count: int, salt: int = 0) -> list[int]:
+    """The first `count` tokens the fake model produces, stop tokens or not."""
+    context = FakeContext(request, salt)
+    tokens = []
+    for _ in range(count):
+        tokens.append(context.next_token())
+        context.feed(tokens[-1])
+    return tokens
