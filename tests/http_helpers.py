@@ -10,10 +10,10 @@ from typing import Any, TypeVar
 
 import trio
 
+from adapters.cli.serve import ServeOptions, Serving, serve
 from adapters.openai.models import FakeChatModel, ServedModel
 from adapters.runtime.controller import ControllerStatistics
 from adapters.runtime.worker_host import Decoder, FakeDecoder
-from adapters.serve_command import ServeOptions, Serving, serve
 
 T = TypeVar("T")
 

@@ -111,9 +111,9 @@ def test_incremental_detokenizing_matches_a_full_decode_with_the_real_tokenizer(
 def test_the_openai_sdk_gets_paris_from_the_served_default_model(first_load: LoadedModel) -> None:
     import openai
 
+    from adapters.cli.serve import ServeOptions
     from adapters.openai.models import ChatModel
     from adapters.runtime.worker_host import EngineDecoder
-    from adapters.serve_command import ServeOptions
     from tests.http_helpers import ServerThread
 
     model = ChatModel(first_load.name, first_load.tokenizer, 512)

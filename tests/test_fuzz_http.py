@@ -20,8 +20,8 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from adapters.cli.serve import ServeOptions
 from adapters.openai.models import FakeChatModel
-from adapters.serve_command import ServeOptions
 from tests.http_helpers import ServerThread, sse_events
 
 EXAMPLES = int(os.environ.get("FENCEPOST_FUZZ_EXAMPLES", "2000"))

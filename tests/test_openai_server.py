@@ -13,12 +13,12 @@ import openai
 import pytest
 import requests
 
+from adapters.cli.serve import ServeOptions
 from adapters.openai.egress import ClientLimits
 from adapters.openai.models import FakeChatModel
 from adapters.openai.normalize import ChatMessage
 from adapters.openai.server import HttpLimits
 from adapters.runtime.worker_host import FakeDecoder
-from adapters.serve_command import ServeOptions
 from core.fake_model import reference_output, reference_tokens
 from core.protocol import DecoderFailed, GenerationRequest
 from tests.http_helpers import ServerThread, chat_body, sse_events

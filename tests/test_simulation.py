@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from adapters.cli import main
-from adapters.mutants import MUTANTS, Mutant, run_mutant
+from adapters.cli.main import main
+from adapters.cli.mutants import MUTANTS, Mutant, run_mutant
 from core.requests import Requests
 from sim.simulator import FAULT_KINDS, Scenario, Simulation, run_seed
 from sim.sweep import SweepSummary, check_determinism, sweep

@@ -1,15 +1,56 @@
-"""`fencepost sim`: run one seed (optionally traced) or sweep many, and report."""
+"""`fencepost sim`: run one seed (optionally traced) or sweep many, and report.
+
+The report is this module's: timing and printing live here, since sim/ never
+reads a clock. The simulator is imported inside `run`, so building the
+command line (for `fencepost serve`, say) never loads it; for the same reason
+--workers and --requests default to None here, which `run` reads as the
+Scenario's own defaults.
+"""
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections import Counter
+from typing import TYPE_CHECKING
 
-from sim.simulator import Scenario, SimResult, Simulation
-from sim.sweep import SweepSummary, replay_command, sweep
+from adapters.cli import natural, positive
+
+if TYPE_CHECKING:
+    from sim.simulator import Scenario, SimResult, Simulation
+    from sim.sweep import SweepSummary
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--seed", type=natural, help="run this one root seed")
+    which.add_argument("--seeds", type=positive, metavar="COUNT", help="sweep COUNT seeds")
+    parser.add_argument("--start", type=natural, default=0, help="first seed of a sweep")
+    parser.add_argument("--trace", action="store_true", help="print every event of the run")
+    parser.add_argument("--workers", type=positive, default=None)
+    parser.add_argument("--requests", type=positive, default=None)
+    parser.add_argument(
+        "--determinism-every",
+        type=positive,
+        default=50,
+        help="run every Nth seed of a sweep twice and compare trace hashes",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from sim.simulator import Scenario
+
+    scenario = Scenario(
+        workers=args.workers or Scenario.workers, requests=args.requests or Scenario.requests
+    )
+    if args.seed is not None:
+        return run_one(args.seed, scenario, args.trace)
+    return run_sweep(args.start, args.seeds, scenario, args.determinism_every)
 
 
 def run_one(seed: int, scenario: Scenario, trace: bool) -> int:
+    from sim.simulator import Simulation
+
     print(f"root seed {seed}")
     simulation = Simulation(seed, scenario, trace=trace, echo=trace)
     print(f"swarm: {_swarm_line(simulation)}")
@@ -22,6 +63,8 @@ def run_one(seed: int, scenario: Scenario, trace: bool) -> int:
 
 
 def run_sweep(start: int, count: int, scenario: Scenario, determinism_every: int) -> int:
+    from sim.sweep import SweepSummary, sweep
+
     print(f"root seeds {start}..{start + count - 1} ({count} runs)")
     print(
         f"scenario: {scenario.workers} workers, {scenario.requests} requests of about "
@@ -71,6 +114,8 @@ def _print_summary(summary: SweepSummary, elapsed_s: float) -> None:
 
 
 def _print_failure(result: SimResult, scenario: Scenario, show_tail: bool) -> None:
+    from sim.sweep import replay_command
+
     print(f"VIOLATION at seed {result.seed}: {result.violation}")
     if show_tail and result.trace_tail:
         print("last trace lines:")

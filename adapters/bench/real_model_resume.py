@@ -1,6 +1,6 @@
 """Kill -9 a real-model worker mid-stream and check the resumed text is unchanged.
 
-    .venv/bin/python bench/real_model_resume.py [--tokens 300]
+    .venv/bin/python -m adapters.bench.real_model_resume [--tokens 300]
 
 Starts, on 127.0.0.1 only, `fencepost serve --no-local-worker --worker-listen`
 and two `fencepost worker` processes with the embedded default model (2 slots,
@@ -22,12 +22,17 @@ import time
 
 import openai
 import requests
+from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 
-MESSAGES = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
+from adapters.bench.harness import FENCEPOST
+
+MESSAGES: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "Write a short story about a lighthouse keeper."}
+]
 
 
 def spawn(*args: str) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", "adapters.cli", *args]
+    command = [*FENCEPOST, *args]
     return subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
 
 
@@ -75,9 +80,9 @@ def main() -> int:
         wait_for(lambda: healthy() == 2, "two workers")
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
 
-        def stream() -> openai.Stream:  # type: ignore[type-arg]
+        def stream() -> openai.Stream[ChatCompletionChunk]:
             return client.chat.completions.create(
-                model="SmolLM2-135M-Instruct", messages=MESSAGES, temperature=0,  # type: ignore[arg-type]
+                model="SmolLM2-135M-Instruct", messages=MESSAGES, temperature=0,
                 max_tokens=tokens, stream=True,
             )  # fmt: skip
 

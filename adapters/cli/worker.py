@@ -53,7 +53,7 @@ def listen_address(text: str) -> tuple[str, int]:
     return address(text, lowest_port=0)
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     decoder: Decoder

@@ -13,55 +13,63 @@ once the load stops (must be nothing).
 
 from __future__ import annotations
 
-import os
 import signal
-import sys
 import time
 from collections import Counter
-from pathlib import Path
+from dataclasses import dataclass
 
 import trio
 
-from adapters.bench_serve import PROMPTS, Server, free_port, percentile, scrape
-from adapters.loadgen import FAST, StreamResult, stream_chat
+from adapters.bench.harness import (
+    FENCEPOST,
+    PROMPTS,
+    Server,
+    free_port,
+    log_folder,
+    percentile,
+    scrape,
+)
+from adapters.bench.loadgen import FAST, StreamResult, stream_chat
 
 
-def main(model_path: str | None, clients: int, duration_s: float, kill_at_s: float,
-         tokens: int) -> int:  # fmt: skip
-    logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"fencepost-drill-{os.getpid()}"
-    logs.mkdir(parents=True, exist_ok=True)
+@dataclass(frozen=True)
+class Drill:
+    """One drill: whose workers, how much load, and when the kill comes."""
+
+    model_path: str | None  # None: fake workers
+    clients: int
+    duration_s: float  # of the load
+    kill_at_s: float  # into the load
+    tokens: int  # max_tokens of each request
+
+
+def main(drill: Drill) -> int:
+    logs = log_folder("drill")
     http, workers_port = free_port(), free_port()
-    cli = [sys.executable, "-m", "adapters.cli"]
-    fake = model_path is None
-    serve = [*cli, "serve", "--port", str(http), "--no-local-worker",
+    serve = [*FENCEPOST, "serve", "--port", str(http), "--no-local-worker",
              "--heartbeat-timeout", "2", "--worker-listen", f"127.0.0.1:{workers_port}",
              "--served-model-name", "drill"]  # fmt: skip
-    serve += ["--fake"] if fake else ["--model", model_path]  # type: ignore[list-item]
-    worker = [*cli, "worker", "--connect", f"127.0.0.1:{workers_port}", "--slots", "16",
+    worker = [*FENCEPOST, "worker", "--connect", f"127.0.0.1:{workers_port}", "--slots", "16",
               "--heartbeat-interval", "0.25"]  # fmt: skip
-    worker += (["--fake", "--fake-step-ms", "20", "--fake-prefill-ms", "300"] if fake
-               else ["--model", model_path])  # type: ignore[list-item]  # fmt: skip
-    print(f"fencepost bench drill: {clients} streaming clients for {duration_s:.0f}s, "
-          f"{'fake' if fake else model_path} workers, kill -9 one at {kill_at_s:.0f}s; "
-          f"logs in {logs}", flush=True)  # fmt: skip
+    if drill.model_path is None:
+        serve += ["--fake"]
+        worker += ["--fake", "--fake-step-ms", "20", "--fake-prefill-ms", "300"]
+    else:
+        serve += ["--model", drill.model_path]
+        worker += ["--model", drill.model_path]
+    workers = "fake" if drill.model_path is None else drill.model_path
+    print(f"fencepost bench drill: {drill.clients} streaming clients for {drill.duration_s:.0f}s, "
+          f"{workers} workers, kill -9 one at {drill.kill_at_s:.0f}s; logs in {logs}",
+          flush=True)  # fmt: skip
     server = Server("fencepost", serve, http, logs / "serve.log")
     victims = [Server(f"w{i}", [*worker, "--worker-id", f"w{i}"], http, logs / f"w{i}.log")
                for i in (1, 2)]  # fmt: skip
+    counters = ("fencepost_attempt_retries", "fencepost_stream_resumes")
     try:
         server.wait_ready(600)
-        deadline = time.monotonic() + 600
-        while (
-            trio.run(scrape, http, ("fencepost_healthy_workers",)).get(
-                "fencepost_healthy_workers", 0
-            )
-            < 2
-        ):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the workers never registered")
-            time.sleep(0.2)
-        counters = ("fencepost_attempt_retries", "fencepost_stream_resumes")
+        _wait_for_workers(http, 2, timeout_s=600)
         before = trio.run(scrape, http, counters)
-        results = trio.run(_load, http, clients, duration_s, kill_at_s, tokens, victims[0])
+        results = trio.run(_load, http, drill, victims[0])
         time.sleep(3)  # the router settles (heartbeat timeout 2 s)
         names = (*counters, "fencepost_active_requests", "fencepost_slots_used",
                  "fencepost_healthy_workers")  # fmt: skip
@@ -78,28 +86,38 @@ def main(model_path: str | None, clients: int, duration_s: float, kill_at_s: flo
     return 0
 
 
-async def _load(port: int, clients: int, duration_s: float, kill_at_s: float, tokens: int,
-                victim: Server) -> list[StreamResult]:  # fmt: skip
+def _wait_for_workers(port: int, count: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    healthy = ("fencepost_healthy_workers",)
+    while trio.run(scrape, port, healthy).get("fencepost_healthy_workers", 0) < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the workers never registered")
+        time.sleep(0.2)
+
+
+async def _load(port: int, drill: Drill, victim: Server) -> list[StreamResult]:
     results: list[StreamResult] = []
-    stop_at = trio.current_time() + duration_s
+    stop_at = trio.current_time() + drill.duration_s
 
     async def client(i: int) -> None:
         n = 0
         while trio.current_time() < stop_at:
             messages = [{"role": "user", "content": PROMPTS[(i + n) % len(PROMPTS)]}]
-            body = {"model": "drill", "messages": messages, "max_tokens": tokens,
+            body = {"model": "drill", "messages": messages, "max_tokens": drill.tokens,
                     "temperature": 0}  # fmt: skip
-            results.append(await stream_chat("127.0.0.1", port, body, FAST, duration_s + 60))
+            timeout_s = drill.duration_s + 60
+            results.append(await stream_chat("127.0.0.1", port, body, FAST, timeout_s))
             n += 1
 
     async def killer() -> None:
-        await trio.sleep(kill_at_s)
+        await trio.sleep(drill.kill_at_s)
         victim.process.send_signal(signal.SIGKILL)
-        print(f"  killed worker w1 (pid {victim.process.pid}) at {kill_at_s:.0f}s", flush=True)
+        pid = victim.process.pid
+        print(f"  killed worker w1 (pid {pid}) at {drill.kill_at_s:.0f}s", flush=True)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(killer)
-        for i in range(clients):
+        for i in range(drill.clients):
             nursery.start_soon(client, i)
     return results
 

@@ -23,13 +23,13 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
+from adapters.cli.worker import listen_address
 from adapters.openai.models import ChatModel, FakeChatModel, ServedModel
 from adapters.openai.server import FencepostApp, HttpLimits
 from adapters.runtime.controller import Controller
 from adapters.runtime.embedded import run_local_worker
 from adapters.runtime.tcp import serve_workers
 from adapters.runtime.worker_host import Decoder, FakeDecoder, engine_decoder
-from adapters.worker_command import listen_address
 from core.router import RouterConfig
 from core.worker import WorkerConfig
 
@@ -105,7 +105,7 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
     )
 
 
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     options = options_from(args)
     model, decoder = build_model(options)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import logging
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
 import trio
 
+from adapters.bench.harness import FENCEPOST
 from adapters.runtime.controller import Controller
 from adapters.runtime.embedded import run_local_worker
 from adapters.runtime.tcp import serve_workers
@@ -100,9 +100,8 @@ async def _measure(shape: Shape, requests: int, tokens: int, rounds: int) -> lis
 
 def _spawn_worker(port: int, worker_id: str, slots: int) -> subprocess.Popen[bytes]:
     command = [
-        sys.executable, "-m", "adapters.cli", "worker", "--connect", f"127.0.0.1:{port}",
-        "--worker-id", worker_id, "--slots", str(slots), "--fake", "--fake-ignore-eos",
-        "--max-context", str(1 << 20),
+        *FENCEPOST, "worker", "--connect", f"127.0.0.1:{port}", "--worker-id", worker_id,
+        "--slots", str(slots), "--fake", "--fake-ignore-eos", "--max-context", str(1 << 20),
     ]  # fmt: skip
     return subprocess.Popen(command, stderr=subprocess.DEVNULL)
 

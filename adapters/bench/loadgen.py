@@ -69,18 +69,7 @@ async def stream_chat(
         stream = await _connect(host, port, behaviour.receive_buffer)
         try:
             conn = h11.Connection(h11.CLIENT)
-            request = h11.Request(
-                method="POST",
-                target="/v1/chat/completions",
-                headers=[
-                    ("Host", f"{host}:{port}"),
-                    ("Content-Type", "application/json"),
-                    ("Content-Length", str(len(payload.encode()))),
-                    ("Connection", "close"),
-                ],
-            )
-            await stream.send_all(conn.send(request) + conn.send(h11.Data(payload.encode())))
-            await stream.send_all(conn.send(h11.EndOfMessage()) or b"")
+            await stream.send_all(_post(conn, f"{host}:{port}", payload.encode()))
             buffer = b""
             body_bytes = b""
             while True:
@@ -125,6 +114,23 @@ async def stream_chat(
         result.error = f"timed out after {timeout_s}s"
     result.elapsed_s = trio.current_time() - began
     return result
+
+
+def _post(conn: h11.Connection, host: str, payload: bytes) -> bytes:
+    """The bytes of one POST of `payload` to the chat endpoint, asking to close after."""
+    request = h11.Request(
+        method="POST",
+        target="/v1/chat/completions",
+        headers=[
+            ("Host", host),
+            ("Content-Type", "application/json"),
+            ("Content-Length", str(len(payload))),
+            ("Connection", "close"),
+        ],
+    )
+    return (
+        conn.send(request) + conn.send(h11.Data(payload)) + (conn.send(h11.EndOfMessage()) or b"")
+    )
 
 
 def _on_frame(frame: bytes, result: StreamResult) -> bool:

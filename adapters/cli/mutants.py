@@ -6,11 +6,14 @@ retrying after the first token, ...). For every mutant the core, sim and
 adapters packages are copied to a temporary folder, the patch is applied there
 (the working tree is never touched), and a seed sweep runs in a subprocess
 against the patched copy. A mutant is killed when the sweep reports a
-violation; the number of seeds it took is reported too.
+violation; the number of seeds it took is reported too. The sweep is
+`python -m adapters.cli sim` run in the copy, so this module never imports
+the simulator itself.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
@@ -20,7 +23,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from adapters.cli import natural, positive
+
+ROOT = Path(__file__).resolve().parents[2]  # the folder holding core/, sim/ and adapters/
 
 
 @dataclass(frozen=True)
@@ -161,11 +166,18 @@ def run_mutant(mutant: Mutant, seeds: int, start: int, timeout_s: float) -> Muta
     return MutantResult(mutant, True, seed - start + 1, found.group(2))
 
 
-def main(seeds: int, start: int, timeout_s: float) -> int:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seeds", type=positive, default=500, help="most seeds per mutant")
+    parser.add_argument("--start", type=natural, default=0)
+    parser.add_argument("--timeout", type=positive, default=600, help="seconds per mutant")
+
+
+def run(args: argparse.Namespace) -> int:
+    seeds, start = args.seeds, args.start
     print(f"mutation check: {len(MUTANTS)} mutants, up to {seeds} seeds each from seed {start}")
     results = []
     for mutant in MUTANTS:
-        result = run_mutant(mutant, seeds, start, timeout_s)
+        result = run_mutant(mutant, seeds, start, args.timeout)
         results.append(result)
         if result.killed:
             line = f"killed after {result.seeds_needed} seed(s): {result.violation[:90]}"

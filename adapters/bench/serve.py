@@ -1,0 +1,329 @@
+"""`fencepost bench serve`: streaming clients against a served model on 127.0.0.1.
+
+Starts `fencepost serve` as a separate process, drives it with N concurrent
+streaming clients (each sends `rounds` requests one after another; the run is
+bounded in count and by --time-limit), and prints time to first token and
+inter-token latency (p50/p99), aggregate completion tokens/s, errors and the
+server's peak RSS. --mixed adds slow readers and clients that hang up
+mid-stream beside the fast ones, and compares the fast clients' latency with
+the clean run at the same concurrency; afterwards the server must hold no
+request and no slot. With the real model the same requests then run on the
+engine alone, in this process, for the HTTP + router overhead. --baselines
+adds, in the same run and with the same load, the naive sequential-generate
+server (adapters/bench/naive_server.py) and `transformers serve --continuous-batching`.
+
+Every request is greedy (temperature 0) so every system does the same work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from adapters.bench.harness import (
+    FENCEPOST,
+    PROMPTS,
+    Server,
+    free_port,
+    log_folder,
+    percentile,
+    scrape,
+)
+from adapters.bench.loadgen import FAST, ClientBehaviour, StreamResult, stream_chat
+
+SLOW = ClientBehaviour(slow_read_s=0.2, slow_read_bytes=512, receive_buffer=4096)
+HANG_UP = ClientBehaviour(hang_up_after=5)
+
+
+@dataclass(frozen=True)
+class ServeLoad:
+    """One run's settings: which model, how many clients, how much each asks for."""
+
+    model_path: str | None
+    fake: bool
+    concurrency: tuple[int, ...]  # clean runs, one per level
+    tokens: int  # max_tokens of each request
+    rounds: int  # requests each client sends, one after another
+    time_limit_s: float  # per level
+    mixed: bool
+    baselines: bool
+    threads: int | None
+
+    @property
+    def top(self) -> int:
+        return max(self.concurrency)
+
+    def warm_up(self) -> ServeLoad:
+        return dataclasses.replace(self, tokens=8, rounds=1)
+
+
+@dataclass
+class Level:
+    label: str
+    concurrency: int
+    results: list[StreamResult] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return sum(r.completion_tokens for r in self.results)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def errors(self) -> list[str]:
+        return [r.error for r in self.results if r.error is not None]
+
+    def ttft(self, q: float) -> float:
+        return percentile([r.ttft_s for r in self.results if r.ttft_s is not None], q)
+
+    def itl(self, q: float) -> float:
+        return percentile([g for r in self.results for g in r.gaps_s], q)
+
+    def row(self) -> str:
+        return (
+            f"  {self.label:34} {self.concurrency:3d}  {self.ttft(50):7.3f} {self.ttft(99):7.3f}"
+            f"  {self.itl(50) * 1000:7.1f} {self.itl(99) * 1000:7.1f}  {self.rate:8.1f}"
+            f"  {len(self.errors):3d}"
+        )
+
+
+HEADER = "  system / run                        N   ttft p50  p99 s  itl p50  p99 ms  tokens/s  err"
+
+
+@dataclass
+class Served:
+    """What the fencepost server showed: a row per run, leftovers, peak RSS."""
+
+    rows: list[Level] = field(default_factory=list)
+    leaked: dict[str, float] = field(default_factory=dict)  # after the mixed run
+    rss_mb: float = float("nan")
+
+
+async def run_level(
+    port: int,
+    label: str,
+    concurrency: int,
+    load: ServeLoad,
+    model: str,
+    extra: list[ClientBehaviour] | None = None,
+) -> Level:
+    """`concurrency` fast clients (and `extra` others beside them); the fast ones' figures."""
+    level = Level(label, concurrency)
+
+    def body(i: int) -> dict[str, Any]:
+        messages = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+        return {"model": model, "messages": messages, "max_tokens": load.tokens, "temperature": 0}
+
+    fast_left = concurrency
+
+    async def fast_client(i: int) -> None:
+        nonlocal fast_left
+        for r in range(load.rounds):
+            request = body(i * load.rounds + r)
+            level.results.append(
+                await stream_chat("127.0.0.1", port, request, FAST, load.time_limit_s)
+            )
+        fast_left -= 1
+        if not fast_left:  # throughput is the fast clients' own; others may still be reading
+            level.wall_s = time.perf_counter() - began
+
+    async def other_client(i: int, behaviour: ClientBehaviour) -> None:
+        await stream_chat("127.0.0.1", port, body(i), behaviour, load.time_limit_s)
+
+    began = time.perf_counter()
+    with trio.move_on_after(load.time_limit_s):
+        async with trio.open_nursery() as nursery:
+            for i in range(concurrency):
+                nursery.start_soon(fast_client, i)
+            for j, behaviour in enumerate(extra or []):
+                nursery.start_soon(other_client, 1000 + j, behaviour)
+    level.wall_s = level.wall_s or time.perf_counter() - began
+    return level
+
+
+def engine_only(load: ServeLoad) -> float:
+    """The same greedy requests on the engine alone (no HTTP, no router): tokens/s."""
+    import torch
+
+    from adapters.engine.engine import Engine
+    from adapters.engine.model import load_model
+    from adapters.openai.models import ChatModel
+    from adapters.openai.normalize import ChatMessage
+    from adapters.runtime.worker_host import default_threads
+    from core.batching import BatchLimits
+    from core.protocol import Assignment, Decoded, DecodeDone, GenerationRequest, Sampling
+
+    loaded = load_model(load.model_path, quiet=True)
+    engine = Engine(loaded, BatchLimits(max_seqs=load.top, max_context=2048))
+    # the same torch threads as the server's engine thread had
+    threads = load.threads or default_threads(engine.device.type) or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    chat = ChatModel("bench", loaded.tokenizer, 2048)  # the server's own chat tokenizing
+    pending = []
+    for i in range(load.top * load.rounds):
+        prompt = chat.tokenize_chat([ChatMessage("user", PROMPTS[i % len(PROMPTS)])])
+        pending.append(GenerationRequest(f"e{i}", tuple(prompt), load.tokens, Sampling(0.0)))
+    pending.reverse()
+
+    def start_next() -> None:
+        if pending:
+            request = pending.pop()
+            engine.start(Assignment(request.request_id, 1), request)
+
+    for _ in range(load.top):
+        start_next()
+    produced = 0
+    began = time.perf_counter()
+    while engine.has_work():
+        for event in engine.step():
+            if isinstance(event, Decoded):
+                produced += 1
+            elif isinstance(event, DecodeDone):
+                start_next()
+    return produced / (time.perf_counter() - began)
+
+
+def main(load: ServeLoad) -> int:
+    logs = log_folder("bench")
+    print(f"fencepost bench serve: {load.tokens} tokens per request, {load.rounds} request(s)"
+          f" per client, greedy; {os.cpu_count()} CPUs; torch threads {load.threads or 'default'};"
+          f" logs in {logs}", flush=True)  # fmt: skip
+    served = measure_fencepost(load, logs)
+    engine_rate = None if load.fake else engine_only(load)
+    base_rows = run_baselines(load, logs) if load.baselines and not load.fake else []
+    report(load, served, base_rows, engine_rate)
+    return 0
+
+
+def measure_fencepost(load: ServeLoad, logs: Path) -> Served:
+    top, port = load.top, free_port()
+    extras = 2 * max(1, top // 4) if load.mixed else 0  # slow and hang-up clients get slots too
+    command = [*FENCEPOST, "serve", "--port", str(port), "--served-model-name", "bench",
+               "--slots", str(top + extras)]  # fmt: skip
+    command += ["--fake", "--fake-step-ms", "10"] if load.fake else []
+    command += ["--model", load.model_path] if load.model_path else []
+    command += ["--threads", str(load.threads)] if load.threads else []
+    server = Server("fencepost", command, port, logs / "fencepost.log")
+    served = Served()
+    try:
+        server.wait_ready(600)
+        trio.run(run_level, port, "warm-up", 1, load.warm_up(), "bench")
+        for c in load.concurrency:
+            served.rows.append(trio.run(run_level, port, "fencepost", c, load, "bench"))
+            print(served.rows[-1].row(), flush=True)
+        if load.mixed:
+            extra = [SLOW] * max(1, top // 4) + [HANG_UP] * max(1, top // 4)
+            label = f"fencepost + {top // 4 or 1} slow, {top // 4 or 1} hang-up"
+            served.rows.append(trio.run(run_level, port, label, top, load, "bench", extra))
+            print(served.rows[-1].row(), flush=True)
+            time.sleep(2)  # let the hung-up requests' cancellations land
+            leftovers = ("fencepost_active_requests", "fencepost_slots_used")
+            served.leaked = trio.run(scrape, port, leftovers)
+        served.rss_mb = server.peak_rss_mb()
+    finally:
+        server.stop()
+    return served
+
+
+def run_baselines(load: ServeLoad, logs: Path) -> list[Level]:
+    """The naive server's rows, then transformers serve's (when it is installed)."""
+    rows = naive_rows(load, logs)
+    peer = shutil.which("transformers", path=str(Path(sys.executable).parent))
+    hf_dir = _hf_directory(load.model_path)
+    if peer is None or hf_dir is None:
+        print("  transformers serve: not available (pip install 'transformers[serving]')")
+        return rows
+    port = free_port()
+    command = [peer, "serve", "--continuous-batching", "--device", "cpu", "--port", str(port),
+               "--host", "127.0.0.1", str(hf_dir)]  # fmt: skip
+    server = Server("transformers serve", command, port, logs / "transformers-serve.log")
+    try:
+        server.wait_ready(600)
+        trio.run(run_level, port, "warm-up", 1, load.warm_up(), str(hf_dir))
+        for c in sorted({1, load.top}):
+            label = "transformers serve --cb"
+            rows.append(trio.run(run_level, port, label, c, load, str(hf_dir)))
+            print(rows[-1].row(), flush=True)
+    except RuntimeError as error:
+        print(f"  transformers serve: {error}")
+    finally:
+        server.stop()
+    return rows
+
+
+def naive_rows(load: ServeLoad, logs: Path) -> list[Level]:
+    rows = []
+    port = free_port()
+    naive = [*FENCEPOST, "bench", "naive-server", "--port", str(port)]
+    naive += ["--model", load.model_path] if load.model_path else []
+    naive += ["--threads", str(load.threads)] if load.threads else []
+    server = Server("naive", naive, port, logs / "naive.log")
+    one_round = dataclasses.replace(load, rounds=1)
+    try:
+        server.wait_ready(600)
+        trio.run(run_level, port, "warm-up", 1, load.warm_up(), "bench")
+        for c in sorted({1, min(4, load.top)}):  # sequential: more clients only queue
+            label = "naive sequential generate"
+            rows.append(trio.run(run_level, port, label, c, one_round, "bench"))
+            print(rows[-1].row(), flush=True)
+    finally:
+        server.stop()
+    return rows
+
+
+def _hf_directory(model_path: str | None) -> Path | None:
+    """An HF directory of the model: given, or the engine's dequantized cache of the GGUF."""
+    from adapters.engine.model import load_model
+
+    if model_path is not None and Path(model_path).is_dir():
+        return Path(model_path)
+    loaded = load_model(model_path, quiet=True)
+    source = Path(loaded.source)
+    return source if source.is_dir() else None
+
+
+def report(
+    load: ServeLoad, served: Served, base_rows: list[Level], engine_rate: float | None
+) -> None:
+    rows, leaked = served.rows, served.leaked
+    print()
+    print(HEADER)
+    for row in [*rows, *base_rows]:
+        print(row.row())
+    print(f"  fencepost server peak RSS: {served.rss_mb:.0f} MB")
+    clean = {r.concurrency: r for r in rows if r.label == "fencepost"}
+    top = load.top
+    naive = next((r for r in base_rows if r.label.startswith("naive") and r.concurrency == 1), None)
+    if naive is not None and top in clean:
+        ratio = clean[top].rate / naive.rate
+        print(f"  aggregate at {top} / naive single stream: {ratio:.2f}x (goal >= 8x)")
+    for peer in (r for r in base_rows if r.label.startswith("transformers")):
+        if peer.concurrency in clean:
+            ratio = clean[peer.concurrency].rate / peer.rate if peer.rate else float("inf")
+            print(f"  fencepost / transformers serve at {peer.concurrency}: {ratio:.2f}x")
+    if 8 in clean:
+        print(f"  TTFT p50 at 8 concurrent: {clean[8].ttft(50):.3f} s (goal <= 1 s)")
+    if load.mixed:
+        noisy = rows[-1]
+        ratio = noisy.itl(99) / clean[top].itl(99)
+        print(f"  fast clients' ITL p99 with slow readers / clean: {ratio:.2f}x (goal <= 1.5x)")
+        print(f"  left behind after the mixed run: {leaked.get('fencepost_active_requests')} "
+              f"requests, {leaked.get('fencepost_slots_used')} slots (must be 0)")  # fmt: skip
+    if engine_rate is not None and top in clean:
+        overhead = 1 - clean[top].rate / engine_rate
+        print(f"  engine alone at {top}: {engine_rate:.1f} tokens/s; HTTP + router overhead "
+              f"{overhead * 100:.1f}% (goal <= 10%)")  # fmt: skip
+    errors = [e for r in rows if r.label == "fencepost" for e in r.errors]
+    if errors:
+        print(f"  errors in clean runs: {len(errors)}; first: {errors[0]}")

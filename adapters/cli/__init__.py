@@ -1,0 +1,31 @@
+"""The `fencepost` command line: one module per command, the table in main.py.
+
+Each command module offers `add_arguments(parser)` and `run(args) -> int`.
+Building the parser imports every command module, so a module that reaches
+the simulator or the benches does it inside `run`: `fencepost serve` and
+`fencepost worker` never load either. This package holds the two argument
+types the commands share.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def natural(text: str) -> int:
+    """An argument that must be a whole number, zero or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def positive(text: str) -> int:
+    """An argument that must be a whole number, one or more."""
+    value = natural(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not positive")
+    return value

@@ -1,0 +1,188 @@
+"""`fencepost bench NAME`: every bench's flags, and the way into adapters/bench.
+
+The flags live here, in one table with a runner per bench, so that building
+the command line imports no bench: each runner imports its module from
+adapters/bench only once that bench is chosen, and turns the parsed flags
+into the module's own arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from adapters.cli import positive
+
+Flags = Callable[[argparse.ArgumentParser], None]
+Runner = Callable[[argparse.Namespace], int]
+
+
+@dataclass(frozen=True)
+class Bench:
+    name: str
+    help: str
+    add_flags: Flags
+    run: Runner
+
+
+def counts(text: str) -> tuple[int, ...]:
+    """A comma-separated list of counts: concurrency levels, worker counts."""
+    return tuple(int(n) for n in text.split(","))
+
+
+def _router_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=positive, default=4)
+    parser.add_argument("--requests", type=positive, default=64)
+    parser.add_argument("--tokens", type=positive, default=1000)
+    parser.add_argument("--rounds", type=positive, default=5)
+
+
+def _router(args: argparse.Namespace) -> int:
+    from adapters.bench import router
+
+    return router.main(
+        workers=args.workers, requests=args.requests, tokens=args.tokens, rounds=args.rounds
+    )
+
+
+def _runtime_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=positive, default=64)
+    parser.add_argument("--tokens", type=positive, default=500)
+    parser.add_argument("--rounds", type=positive, default=3)
+    parser.add_argument("--workers", default="1,4", help="comma-separated worker counts")
+
+
+def _runtime(args: argparse.Namespace) -> int:
+    from adapters.bench import runtime
+
+    return runtime.main(
+        requests=args.requests,
+        tokens=args.tokens,
+        rounds=args.rounds,
+        workers=list(counts(args.workers)),
+    )
+
+
+def _serve_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF directory or .gguf")
+    parser.add_argument("--fake", action="store_true", help="the fake model (harness check)")
+    parser.add_argument("--concurrency", default="1,8,16")
+    parser.add_argument("--tokens", type=positive, default=128)
+    parser.add_argument("--rounds", type=positive, default=1, help="requests per client")
+    parser.add_argument("--time-limit", type=positive, default=600, help="seconds a run")
+    parser.add_argument("--mixed", action="store_true", help="add slow and hang-up clients")
+    parser.add_argument("--baselines", action="store_true", help="naive and HF servers too")
+    parser.add_argument("--threads", type=positive, default=None)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from adapters.bench import serve
+
+    load = serve.ServeLoad(
+        model_path=args.model,
+        fake=args.fake,
+        concurrency=counts(args.concurrency),
+        tokens=args.tokens,
+        rounds=args.rounds,
+        time_limit_s=args.time_limit,
+        mixed=args.mixed,
+        baselines=args.baselines,
+        threads=args.threads,
+    )
+    return serve.main(load)
+
+
+def _drill_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="real-model workers (default: fake)")
+    parser.add_argument("--clients", type=positive, default=16)
+    parser.add_argument("--duration", type=positive, default=20, help="seconds of load")
+    parser.add_argument("--kill-at", type=positive, default=6, help="seconds into the load")
+    parser.add_argument("--tokens", type=positive, default=100)
+
+
+def _drill(args: argparse.Namespace) -> int:
+    from adapters.bench import drill
+
+    return drill.main(
+        drill.Drill(
+            model_path=args.model,
+            clients=args.clients,
+            duration_s=args.duration,
+            kill_at_s=args.kill_at,
+            tokens=args.tokens,
+        )
+    )
+
+
+def _naive_server_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port", type=positive, required=True)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--threads", type=positive, default=None)
+
+
+def _naive_server(args: argparse.Namespace) -> int:
+    from adapters.bench import naive_server
+
+    return naive_server.main(port=args.port, model_path=args.model, threads=args.threads)
+
+
+def _engine_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
+    parser.add_argument("--tokens", type=positive, default=128, help="new tokens per request")
+    parser.add_argument("--concurrency", default="1,4,8,16", help="comma-separated stream counts")
+    parser.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--weights",
+        choices=("float", "int8"),
+        default="float",
+        help="engine weights: as loaded, or int8 (CPU; faster, visibly less accurate)",
+    )
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from adapters.bench import engine
+
+    return engine.main(
+        model_path=args.model,
+        tokens=args.tokens,
+        concurrency=list(counts(args.concurrency)),
+        threads=args.threads,
+        weights=args.weights,
+    )
+
+
+BENCHES = (
+    Bench("router", "fenced token deliveries/s through Router.handle", _router_flags, _router),
+    Bench(
+        "runtime",
+        "delivered tokens/s through the trio runtime, instant fake decoder",
+        _runtime_flags,
+        _runtime,
+    ),
+    Bench(
+        "serve",
+        "streaming clients against a served model: latency, throughput, RSS",
+        _serve_flags,
+        _serve,
+    ),
+    Bench("drill", "kill -9 a worker under load; count outcomes", _drill_flags, _drill),
+    Bench(
+        "naive-server",
+        "(baseline) sequential HF generate server",
+        _naive_server_flags,
+        _naive_server,
+    ),
+    Bench("engine", "decode engine vs HF generate, tokens/s", _engine_flags, _engine),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    benches = parser.add_subparsers(dest="bench", required=True)
+    for bench in BENCHES:
+        bench.add_flags(benches.add_parser(bench.name, help=bench.help))
+
+
+def run(args: argparse.Namespace) -> int:
+    [chosen] = [bench for bench in BENCHES if bench.name == args.bench]
+    return chosen.run(args)

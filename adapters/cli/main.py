@@ -1,0 +1,50 @@
+"""`fencepost`: the table of commands, the parser built from it, and the dispatch.
+
+A command is a module with `add_arguments(parser)` and `run(args) -> int`;
+adding one is a row in COMMANDS. The parser records the chosen command's name
+and `main` hands the parsed arguments to that module's `run`, so no command's
+flags are known here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from typing import Protocol
+
+from adapters.cli import bench, mutants, serve, sim, worker
+
+
+class Command(Protocol):
+    """What a command module offers: its flags, and running with them."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+COMMANDS: tuple[tuple[str, str, Command], ...] = (
+    ("sim", "deterministic simulation under injected faults (one seed, or a sweep)", sim),
+    ("mutants", "patch core/ with known bugs and show the simulator catches each", mutants),
+    ("serve", "the OpenAI-compatible HTTP server (default: embedded default model)", serve),
+    ("worker", "run a worker process that serves a router over TCP", worker),
+    ("bench", "print performance figures", bench),
+)
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        prog="fencepost", description="OpenAI-compatible LLM serving on fenced state machines."
+    )
+    commands = top.add_subparsers(dest="command", required=True)
+    for name, summary, module in COMMANDS:
+        module.add_arguments(commands.add_parser(name, help=summary))
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Die quietly when the reader of a long trace goes away (`| head`).
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    args = parser().parse_args(argv)
+    [module] = [module for name, _, module in COMMANDS if name == args.command]
+    return module.run(args)
