@@ -18,10 +18,8 @@ tokens. Other tokens are 1..VOCAB-1.
 
 from __future__ import annotations
 
-from msgspec.structs import replace
-
-from core.decoding import Generation
-from core.protocol import Assignment, DecodeDone, DecoderEvent, GenerationRequest
+from core.decoding import Generation, stop_reason
+from core.protocol import Assignment, ClientFinishReason, DecoderEvent, GenerationRequest
 
 VOCAB = 50_000
 EOS_TOKEN = 0
@@ -98,17 +96,19 @@ class FakeDecode:
 
 def reference_output(
     request: GenerationRequest, salt: int = 0, prefix: tuple[int, ...] = ()
-) -> tuple[list[int], str]:
+) -> tuple[list[int], ClientFinishReason]:
     """What an undisturbed run returns, the tokens and the finish reason; with a prefix,
-    what a continuation from those tokens returns (prefix included)."""
-    continuation = replace(request, output_prefix=prefix)
-    run = FakeDecode(Assignment(request.request_id, 1), continuation, salt)
-    events: list[DecoderEvent] = []
-    while not run.step(events):
-        pass
-    done = events[-1]
-    assert isinstance(done, DecodeDone)
-    return run.generation.output, done.reason
+    what a continuation from those tokens returns (prefix included).
+
+    Computed straight from FakeContext and the stop rule, not through FakeDecode,
+    so that an oracle built on it does not share the decoders' bookkeeping."""
+    context = FakeContext(request, salt, prefix)
+    tokens, stops = list(prefix), fake_stop_ids(request)
+    while (reason := stop_reason(tokens, request.max_new_tokens, stops)) is None:
+        token = context.next_token()
+        context.feed(token)
+        tokens.append(token)
+    return tokens, reason
 
 
 def reference_tokens(request: GenerationRequest, count: int, salt: int = 0) -> list[int]:

@@ -179,8 +179,7 @@ class Worker:
             self._fenced["duplicate" if index < len(active.tokens) else "gap"] += 1
         elif index >= active.max_new_tokens:
             self._fenced["over_budget"] += 1
-        else:
-            ASSIGNMENT.next(S.ACTIVE, E.DECODED)
+        else:  # (active, decoded) -> active: the table's one self-loop, not looked up per token
             active.tokens.append(token_id)
             self._tokens_sent += 1
             out.append(SendToRouter(Token(assignment, index, token_id)))

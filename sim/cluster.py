@@ -5,23 +5,30 @@ things happen: the caller (a hypothesis state machine in the tests, a seeded
 scheduler in the simulator) picks which in-flight message to deliver, which
 to duplicate, when a decoder makes a step and when time advances. The cluster
 executes the machines' effects faithfully and records what every client saw,
-so the oracles in check_safety() can judge the run after every step.
+so the oracles in check_safety() can judge the run after every step. The
+machines' timers go on the caller's clock (sim/clock.py), the one queue of
+everything that happens in a run; a caller that brings none gets its own.
+What a driver needs to know or do is a method here, so drivers never reach
+into the cluster's tables.
 
 Decoders run core's fake model (core/fake_model.py), which is deterministic
 and autoregressive like a real one, so every attempt of a greedy or seeded
 request, on any worker, produces the same output, and the client's stream
 must always be a prefix of reference_output(). A continuation (a request
 with an output_prefix) takes the prefix as context and so goes on exactly
-where the client is. Unseeded sampling (temperature > 0, no seed) is modelled as what
-it is on real hardware: each attempt draws a different sequence (the attempt
-number salts the function), so a client sees one attempt's output, or, after a
-resume, one attempt's prefix continued by a later attempt given that prefix.
+where the client is. Unseeded sampling (temperature > 0, no seed) is
+modelled as what it is on real hardware: each attempt draws a different
+sequence (the attempt number salts the function), so a client sees one
+attempt's output, or, after a resume, one attempt's prefix continued by a
+later attempt given that prefix.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, ItemsView, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import cast
 
 from core.fake_model import FakeDecode, reference_output
@@ -29,6 +36,7 @@ from core.protocol import (
     ArmTimer,
     Assignment,
     ClientCancel,
+    ClientFinishReason,
     DecodeDone,
     DecoderEvent,
     DecoderFailed,
@@ -57,6 +65,7 @@ from core.protocol import (
 )
 from core.router import Router, RouterConfig
 from core.worker import Worker, WorkerConfig
+from sim.clock import Clock
 
 
 def diverges(request: GenerationRequest) -> bool:
@@ -83,7 +92,7 @@ class ClientStream:
     """Everything one client received, in order."""
 
     request: GenerationRequest
-    references: dict[int, tuple[list[int], str]]  # by salt: the outputs it may show
+    references: dict[int, tuple[list[int], ClientFinishReason]]  # by salt: the outputs it may show
     tokens: list[int] = field(default_factory=list)
     outcome: DeliverFinished | DeliverError | None = None
     cancel_requested: bool = False
@@ -98,6 +107,19 @@ class Decode:
     run: FakeDecode
 
 
+@dataclass(slots=True)
+class _Armed:
+    """One armed timer of one machine."""
+
+    deadline: float
+    arm: int  # which arming this is: a clock entry of an older arming is stale
+    rank: int  # the key's place among its owner's timers; kept when re-armed
+
+
+ROUTER = None  # the owner of the router's timers (a worker's are owned by its id)
+Owner = str | None
+
+
 class Cluster:
     def __init__(
         self,
@@ -108,22 +130,22 @@ class Cluster:
         heartbeat_interval_s: float = 0.5,
         on_send: Callable[[Packet], None] | None = None,
         trace: Callable[[str], None] | None = None,
+        clock: Clock | None = None,
     ) -> None:
-        self.now = 0.0
+        self.clock = clock or Clock()
         self.on_send = on_send or self.in_flight_append
         self.trace = trace
         self.router = Router(router_config)
-        self.router_timers: dict[TimerKey, float] = {}
         self.slots = slots
         self.max_context = max_context
         self.heartbeat_interval_s = heartbeat_interval_s
         self.workers: dict[str, Worker] = {}
-        self.worker_timers: dict[str, dict[TimerKey, float]] = {}
         self.decodes: dict[str, dict[Assignment, Decode]] = {}
         self.down: set[str] = set()  # crashed: events to them vanish
         self.paused: set[str] = set()  # stalled: their timers wait until they resume
-        self._deadline: float | None = None
-        self._deadline_stale = True  # any timer, crash or pause change sets this
+        self._timers: dict[Owner, dict[TimerKey, _Armed]] = {ROUTER: {}}
+        self._owner_rank: dict[Owner, int] = {ROUTER: 0}
+        self._arms = 0
         self.decoder_failures = 0
         self.in_flight: list[Packet] = []
         self.streams: dict[str, ClientStream] = {}
@@ -143,10 +165,10 @@ class Cluster:
             heartbeat_interval_s=self.heartbeat_interval_s,
         )
         self.workers[worker_id] = Worker(config)
-        self.worker_timers[worker_id] = {}
+        self._timers[worker_id] = {}
+        self._owner_rank.setdefault(worker_id, len(self._owner_rank))
         self.decodes[worker_id] = {}
         self.down.discard(worker_id)
-        self._deadline_stale = True
         self._run_worker(worker_id, WorkerStart())
 
     def fail_decoder(self, worker_id: str) -> None:
@@ -158,18 +180,18 @@ class Cluster:
     def pause_worker(self, worker_id: str) -> None:
         """The process stalls: it handles nothing, its timers wait."""
         self.paused.add(worker_id)
-        self._deadline_stale = True
 
     def resume_worker(self, worker_id: str) -> None:
+        """The stall ends: timers that came due meanwhile fire now, the rest when due."""
         self.paused.discard(worker_id)
-        self._deadline_stale = True
+        for key, armed in list(self._timers[worker_id].items()):
+            self._arm(worker_id, key, max(armed.deadline, self.clock.now))
 
     def crash_worker(self, worker_id: str) -> None:
         """The process dies: its state, timers and decodes are gone."""
         self.down.add(worker_id)
         self.paused.discard(worker_id)
-        self._deadline_stale = True
-        self.worker_timers[worker_id] = {}
+        self._timers[worker_id] = {}
         self.decodes[worker_id] = {}
 
     def worker_gone(self, worker_id: str, epoch: int) -> None:
@@ -225,26 +247,104 @@ class Cluster:
     def running_decodes(self) -> list[tuple[str, Assignment]]:
         return [(w, a) for w, decodes in self.decodes.items() for a in decodes]
 
-    def next_deadline(self) -> float | None:
-        """The earliest armed timer of the router or of a running worker."""
-        if self._deadline_stale:
-            self._deadline = self._earliest_deadline()
-            self._deadline_stale = False
-        return self._deadline
-
-    def _earliest_deadline(self) -> float | None:
-        deadlines = list(self.router_timers.values())
-        for worker_id, timers in self.worker_timers.items():
-            if worker_id not in self.down and worker_id not in self.paused:
-                deadlines.extend(timers.values())
-        return min(deadlines, default=None)
+    @property
+    def now(self) -> float:
+        return self.clock.now
 
     def advance(self, until: float) -> None:
-        """Move the clock to `until`, firing every timer due on the way, in order."""
-        while (deadline := self.next_deadline()) is not None and deadline <= until:
-            self.now = max(self.now, deadline)
-            self._fire_due()
-        self.now = max(self.now, until)
+        """Move the clock to `until`, running everything due on the way, in order."""
+        self.clock.run_until(until)
+
+    # --- what a driver may ask ---
+
+    def alive(self, worker_id: str) -> bool:
+        """Running: neither crashed nor stalled."""
+        return worker_id not in self.down and worker_id not in self.paused
+
+    def is_down(self, worker_id: str) -> bool:
+        return worker_id in self.down
+
+    def is_paused(self, worker_id: str) -> bool:
+        return worker_id in self.paused
+
+    def crashed(self) -> list[str]:
+        return sorted(self.down)
+
+    def stalled(self) -> list[str]:
+        return sorted(self.paused)
+
+    def epoch(self, worker_id: str) -> int:
+        return self.workers[worker_id].config.epoch
+
+    def decoders(self) -> ItemsView[str, dict[Assignment, Decode]]:
+        """(worker id, its running decodes) for every worker, in worker order (read only)."""
+        return self.decodes.items()
+
+    def decodes_on(self, worker_id: str) -> Mapping[Assignment, Decode]:
+        return self.decodes[worker_id]
+
+    def has_outcome(self, request_id: str) -> bool:
+        return self.streams[request_id].outcome is not None
+
+    def submitted(self) -> int:
+        return len(self.streams)
+
+    def open_requests(self) -> list[GenerationRequest]:
+        return [s.request for s in self.streams.values() if s.outcome is None]
+
+    def settled(self) -> bool:
+        """Every request has its outcome and every slot is back, as all machines see it."""
+        if self.unfinished() or any(self.decodes.values()):
+            return False
+        if any(w.free_slots != w.config.slots for w in self.workers.values()):
+            return False
+        if self._stale_views():
+            return False
+        return not any(held for _, held, _ in self.router.slot_usage())
+
+    def unsettled_reasons(self) -> list[str]:
+        parts = []
+        if self.unfinished():
+            parts.append(f"requests without an outcome {self.unfinished()[:5]}")
+        busy = [w for w, worker in self.workers.items() if worker.free_slots != worker.config.slots]
+        if busy:
+            parts.append(f"workers with slots still taken {busy}")
+        held = [v.worker_id for v in self.router.statistics().workers if v.held]
+        if held:
+            parts.append(f"router still counts slots on {held}")
+        if stale := self._stale_views():
+            parts.append(f"router's view of workers is stale: {stale}")
+        return parts
+
+    def _stale_views(self) -> list[str]:
+        """Workers the router does not see as healthy at their current epoch."""
+        actual = {w: worker.config.epoch for w, worker in self.workers.items()}
+        return [
+            f"{view.worker_id} (router: epoch {view.epoch}, healthy {view.healthy}; "
+            f"worker: epoch {actual.get(view.worker_id)})"
+            for view in self.router.statistics().workers
+            if not view.healthy or view.epoch != actual.get(view.worker_id)
+        ]
+
+    def outcomes(self) -> Counter[str]:
+        counts: Counter[str] = Counter()
+        for stream in self.streams.values():
+            match stream.outcome:
+                case DeliverFinished(reason=reason) | DeliverError(kind=reason):
+                    counts[reason] += 1
+        return counts
+
+    def fenced(self) -> Counter[str]:
+        """Messages fenced, by machine and reason (router.gap, worker.late_token, ...)."""
+        stats = self.router.statistics()
+        fenced: Counter[str] = Counter({f"router.{k}": v for k, v in stats.fenced.items()})
+        for worker in self.workers.values():
+            for reason, n in worker.statistics().fenced.items():
+                fenced[f"worker.{reason}"] += n
+        return fenced
+
+    def tokens_delivered(self) -> int:
+        return sum(len(s.tokens) for s in self.streams.values())
 
     # --- oracles ---
 
@@ -280,7 +380,7 @@ class Cluster:
         self.on_send(Packet(self._packet_ids, source, to, message))
 
     def _run_router(self, event: RouterEvent) -> None:
-        effects = self.router.handle(event, self.now)
+        effects = self.router.handle(event, self.clock.now)
         if self.trace is not None:
             self.trace(f"{self.now:9.4f} router  {_show(event)} -> {_show_all(effects)}")
         for effect in effects:
@@ -291,11 +391,9 @@ class Cluster:
             case SendToWorker(worker_id, message):
                 self._send("router", worker_id, message)
             case ArmTimer(key, deadline):
-                self.router_timers[key] = deadline
-                self._deadline_stale = True
+                self._arm(ROUTER, key, deadline)
             case DisarmTimer(key):
-                self.router_timers.pop(key, None)
-                self._deadline_stale = True
+                self._timers[ROUTER].pop(key, None)
             case DeliverToken() | DeliverFinished() | DeliverError():
                 self._record_delivery(effect)
 
@@ -359,7 +457,7 @@ class Cluster:
     def _run_worker(self, worker_id: str, event: WorkerEvent) -> None:
         if worker_id in self.down:
             return
-        effects = self.workers[worker_id].handle(event, self.now)
+        effects = self.workers[worker_id].handle(event, self.clock.now)
         if self.trace is not None:
             self.trace(f"{self.now:9.4f} {worker_id:7} {_show(event)} -> {_show_all(effects)}")
         for effect in effects:
@@ -372,29 +470,42 @@ class Cluster:
             case StartDecode(assignment, request):
                 salt = assignment.attempt if diverges(request) else 0
                 run = FakeDecode(assignment, request, salt)
-                self.decodes[worker_id][assignment] = Decode(request, self.now, run)
+                self.decodes[worker_id][assignment] = Decode(request, self.clock.now, run)
             case StopDecode(assignment):
                 self.decodes[worker_id].pop(assignment, None)
             case ArmTimer(key, deadline):
-                self.worker_timers[worker_id][key] = deadline
-                self._deadline_stale = True
+                self._arm(worker_id, key, deadline)
             case DisarmTimer(key):
-                self.worker_timers[worker_id].pop(key, None)
-                self._deadline_stale = True
+                self._timers[worker_id].pop(key, None)
 
-    def _fire_due(self) -> None:
-        self._deadline_stale = True
-        for key, deadline in sorted(self.router_timers.items(), key=lambda kv: kv[1]):
-            if deadline <= self.now and self.router_timers.get(key) == deadline:
-                del self.router_timers[key]
-                self._run_router(TimerFired(key))
-        for worker_id, timers in self.worker_timers.items():
-            if worker_id in self.down or worker_id in self.paused:
-                continue
-            for key, deadline in sorted(timers.items(), key=lambda kv: kv[1]):
-                if deadline <= self.now and timers.get(key) == deadline:
-                    del timers[key]
-                    self._run_worker(worker_id, TimerFired(key))
+    # --- timers, on the shared clock ---
+
+    def _arm(self, owner: Owner, key: TimerKey, deadline: float) -> None:
+        """(Re-)arm a machine's timer; an entry for an earlier arming goes stale."""
+        timers = self._timers[owner]
+        current = timers.get(key)
+        self._arms += 1
+        rank = current.rank if current is not None else self._arms
+        timers[key] = _Armed(deadline, self._arms, rank)
+        self.clock.schedule_timer(
+            deadline,
+            (self._owner_rank[owner], rank),
+            partial(self._timer_live, owner, key, self._arms),
+            partial(self._fire, owner, key),
+        )
+
+    def _timer_live(self, owner: Owner, key: TimerKey, arm: int) -> bool:
+        if owner in self.paused:
+            return False  # armed again when it resumes
+        armed = self._timers[owner].get(key)
+        return armed is not None and armed.arm == arm
+
+    def _fire(self, owner: Owner, key: TimerKey) -> None:
+        del self._timers[owner][key]
+        if owner is ROUTER:
+            self._run_router(TimerFired(key))
+        else:
+            self._run_worker(owner, TimerFired(key))
 
 
 def _show(item: object) -> str:

@@ -4,8 +4,10 @@ One root seed decides everything: the swarm (which fault kinds are on and how
 often they strike), the clients (arrivals, prompts, cancels), the network
 (per-message delays, so messages reorder) and the fault schedule. Each random
 stream is a stdlib Random seeded from (root seed, stream name), so changing
-how one stream is used does not shift the others. Virtual time jumps from one
-scheduled event to the next; there is no wall clock and no trio here.
+how one stream is used does not shift the others. One Clock (sim/clock.py)
+holds virtual time and every scheduled thing: clients, packets, decoder
+steps, faults and the machines' timers; time jumps from one entry to the
+next. There is no wall clock and no trio here.
 
 A run has two phases. During the fault phase every fault kind the swarm
 switched on may strike. At `fault_end_s` everything heals (crashed workers
@@ -21,16 +23,15 @@ oracles (sim.cluster) run after every single event in both phases.
 from __future__ import annotations
 
 import hashlib
-import heapq
 import math
 from collections import Counter, deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from random import Random
 
 from core.fake_model import VOCAB
-from core.protocol import DeliverError, DeliverFinished, GenerationRequest, Sampling
+from core.protocol import GenerationRequest, Sampling
 from core.router import RouterConfig
+from sim.clock import Clock
 from sim.cluster import Cluster, InvariantViolation, Packet
 
 FAULT_KINDS = (
@@ -162,9 +163,7 @@ class Simulation:
         self._net = Random(f"{seed}/net")
         self._faults_rng = Random(f"{seed}/faults")
         self._clients_rng = Random(f"{seed}/clients")
-        # (time, order, action, args): order breaks ties, so actions never compare
-        self._heap: list[tuple[float, int, Callable[..., None], tuple[object, ...]]] = []
-        self._order = 0
+        self.clock = Clock()  # the one clock and event queue: ours and the machines' timers
         self.faults: Counter[str] = Counter()
         self.healed = False
         self._partitions: list[tuple[str, str, float]] = []  # (worker, direction, until)
@@ -172,23 +171,25 @@ class Simulation:
         self._decode_pending: dict[str, bool] = {}
         self._generation: dict[str, int] = {}
         self._resume_at: dict[str, float] = {}
+        worker_ids = [f"w{i}" for i in range(self.scenario.workers)]
+        self._slowness = dict(zip(worker_ids, self.swarm.slowness, strict=True))
         self._hash = hashlib.blake2b(digest_size=16) if trace else None
         self._tail: deque[str] = deque(maxlen=trace_tail)
         self._echo = echo
         self.events = 0
-        worker_ids = [f"w{i}" for i in range(self.scenario.workers)]
         self.cluster = Cluster(
             [],
             self.scenario.router,
             heartbeat_interval_s=self.scenario.heartbeat_interval_s,
             on_send=self._on_send,
             trace=self._trace if trace else None,
+            clock=self.clock,
         )
         self._trace_on = trace
         self._worker_ids = worker_ids
         self._plan_clients()
         self._plan_faults(worker_ids)
-        self._push(self.scenario.fault_end_s, self._heal)
+        self.clock.schedule(self.scenario.fault_end_s, self._heal)
 
     # --- the run ---
 
@@ -202,18 +203,8 @@ class Simulation:
         violation: str | None = None
         self._liveness_deadline = math.inf  # set when everything heals
         try:
-            while True:
-                timer = self.cluster.next_deadline()
-                head = self._heap[0][0] if self._heap else math.inf
-                now = min(head, math.inf if timer is None else timer)
-                if now > self._liveness_deadline:
-                    break
-                if timer is not None and timer <= head:
-                    self.cluster.advance(timer)
-                else:
-                    at, _, action, args = heapq.heappop(self._heap)
-                    self.cluster.now = max(self.cluster.now, at)
-                    action(*args)
+            while (at := self.clock.next_time()) is not None and at <= self._liveness_deadline:
+                self.clock.run_next()
                 self.events += 1
                 self.cluster.check_safety()
                 self._schedule_decoders()
@@ -222,7 +213,7 @@ class Simulation:
             if not self._settled():
                 budget = self._liveness_deadline - self.scenario.fault_end_s
                 violation = f"liveness: not settled {budget:.1f}s after heal: "
-                violation += self._unsettled_reason()
+                violation += "; ".join(self.cluster.unsettled_reasons()) or "decoders running"
         except InvariantViolation as error:
             violation = f"safety: {error}"
         except Exception as error:  # a machine raised: as much a finding as a bad delivery
@@ -233,55 +224,21 @@ class Simulation:
         self.cluster.submit(request)
 
     def _client_cancel(self, request_id: str) -> None:
-        if self.cluster.streams[request_id].outcome is None:
+        if not self.cluster.has_outcome(request_id):
             self.cluster.cancel(request_id)
 
     def _scheduled_restart(self, worker_id: str) -> None:
-        if worker_id in self.cluster.down:  # the heal may have restarted it already
+        if self.cluster.is_down(worker_id):  # the heal may have restarted it already
             self._restart(worker_id)
 
     def _decoder_failure(self, worker_id: str) -> None:
-        if not self.healed and self._alive(worker_id):
+        if not self.healed and self.cluster.alive(worker_id):
             self._fault("decoder_failure", worker_id)
             self.cluster.fail_decoder(worker_id)
 
     def _settled(self) -> bool:
         cluster = self.cluster
-        if cluster.unfinished() or len(cluster.streams) < self.scenario.requests:
-            return False
-        if any(cluster.decodes[w] for w in cluster.workers):
-            return False
-        if any(w.free_slots != w.config.slots for w in cluster.workers.values()):
-            return False
-        if self._stale_views():
-            return False
-        return not any(held for _, held, _ in cluster.router.slot_usage())
-
-    def _stale_views(self) -> list[str]:
-        """Workers the router does not see as healthy at their current epoch."""
-        actual = {w: worker.config.epoch for w, worker in self.cluster.workers.items()}
-        return [
-            f"{view.worker_id} (router: epoch {view.epoch}, healthy {view.healthy}; "
-            f"worker: epoch {actual.get(view.worker_id)})"
-            for view in self.cluster.router.statistics().workers
-            if not view.healthy or view.epoch != actual.get(view.worker_id)
-        ]
-
-    def _unsettled_reason(self) -> str:
-        cluster = self.cluster
-        parts = []
-        if cluster.unfinished():
-            parts.append(f"requests without an outcome {cluster.unfinished()[:5]}")
-        workers = cluster.workers.items()
-        busy = [w for w, worker in workers if worker.free_slots != worker.config.slots]
-        if busy:
-            parts.append(f"workers with slots still taken {busy}")
-        held = [v.worker_id for v in cluster.router.statistics().workers if v.held]
-        if held:
-            parts.append(f"router still counts slots on {held}")
-        if stale := self._stale_views():
-            parts.append(f"router's view of workers is stale: {stale}")
-        return "; ".join(parts) or "decoders still running"
+        return cluster.submitted() >= self.scenario.requests and cluster.settled()
 
     # --- clients ---
 
@@ -301,9 +258,11 @@ class Simulation:
             request = GenerationRequest(
                 f"r{index}", prompt, max(1, max_new), Sampling(temperature, 1.0, seed)
             )
-            self._push(t, self._arrive, request)
+            self.clock.schedule(t, self._arrive, request)
             if rng.random() < self.swarm.cancel_rate:
-                self._push(t + rng.uniform(0.0, 3.0), self._client_cancel, request.request_id)
+                self.clock.schedule(
+                    t + rng.uniform(0.0, 3.0), self._client_cancel, request.request_id
+                )
 
     # --- network ---
 
@@ -312,7 +271,7 @@ class Simulation:
         swarm = self.swarm
         delay = rng.uniform(swarm.delay_min_s, swarm.delay_max_s)
         if self.healed:
-            self._push(self.cluster.now + delay, self._deliver, packet)
+            self.clock.schedule(self.clock.now + delay, self._deliver, packet)
             return
         if rng.random() < swarm.loss_rate:
             self._fault("loss", _brief(packet))
@@ -320,15 +279,15 @@ class Simulation:
         if rng.random() < swarm.late_rate:
             delay += rng.uniform(0.5, 3.0)
             self._fault("late", _brief(packet))
-        self._push(self.cluster.now + delay, self._deliver, packet)
+        self.clock.schedule(self.clock.now + delay, self._deliver, packet)
         if rng.random() < swarm.duplicate_rate:
             self._fault("duplicate", _brief(packet))
             extra = rng.uniform(swarm.delay_min_s, swarm.delay_max_s * 2)
-            self._push(self.cluster.now + extra, self._deliver, packet)
+            self.clock.schedule(self.clock.now + extra, self._deliver, packet)
         if self._history and rng.random() < swarm.replay_rate:
             old = self._history[rng.randrange(len(self._history))]
             self._fault("replay", _brief(old))
-            self._push(self.cluster.now + rng.uniform(0.01, 2.0), self._deliver, old)
+            self.clock.schedule(self.clock.now + rng.uniform(0.01, 2.0), self._deliver, old)
         self._history.append(packet)
 
     def _deliver(self, packet: Packet) -> None:
@@ -337,14 +296,14 @@ class Simulation:
         if self._cut(worker_id, direction):
             self._fault("partition_drop", _brief(packet))
             return
-        if packet.to is not None and packet.to in self.cluster.paused:
+        if packet.to is not None and self.cluster.is_paused(packet.to):
             # A stalled process reads its socket only when it resumes.
-            self._push(self._resume_at[packet.to], self._deliver, packet)
+            self.clock.schedule(self._resume_at[packet.to], self._deliver, packet)
             return
         self.cluster.deliver_packet(packet)
 
     def _cut(self, worker_id: str, direction: str) -> bool:
-        now = self.cluster.now
+        now = self.clock.now
         self._partitions = [p for p in self._partitions if p[2] > now]
         return any(w == worker_id and d in (direction, "both") for w, d, _ in self._partitions)
 
@@ -352,18 +311,17 @@ class Simulation:
 
     def _schedule_decoders(self) -> None:
         cluster = self.cluster
-        for worker_id, decodes in cluster.decodes.items():
-            if not decodes or self._decode_pending[worker_id] or not self._alive(worker_id):
+        for worker_id, decodes in cluster.decoders():
+            if not decodes or self._decode_pending[worker_id] or not cluster.alive(worker_id):
                 continue
-            index = int(worker_id[1:])
-            slow = self.swarm.slowness[index]
+            slow = self._slowness[worker_id]
             ready_at = min(self._ready_at(d.request, d.started_at, slow) for d in decodes.values())
-            if ready_at <= cluster.now:
-                at = cluster.now + self.swarm.step_s * slow * (1 + 0.05 * len(decodes))
+            if ready_at <= self.clock.now:
+                at = self.clock.now + self.swarm.step_s * slow * (1 + 0.05 * len(decodes))
             else:
                 at = ready_at
             self._decode_pending[worker_id] = True
-            self._push(at, self._decode, worker_id, self._generation[worker_id])
+            self.clock.schedule(at, self._decode, worker_id, self._generation[worker_id])
 
     def _ready_at(self, request: GenerationRequest, started_at: float, slow: float) -> float:
         return started_at + self.swarm.prefill_s_per_token * len(request.prompt_token_ids) * slow
@@ -372,12 +330,12 @@ class Simulation:
         if generation != self._generation[worker_id]:
             return  # scheduled for a process that has since crashed
         self._decode_pending[worker_id] = False
-        if not self._alive(worker_id):
+        if not self.cluster.alive(worker_id):
             return
-        slow = self.swarm.slowness[int(worker_id[1:])]
-        decodes = self.cluster.decodes[worker_id]
+        slow = self._slowness[worker_id]
+        decodes = self.cluster.decodes_on(worker_id)
         for assignment, decode in list(decodes.items()):
-            ready = self._ready_at(decode.request, decode.started_at, slow) <= self.cluster.now
+            ready = self._ready_at(decode.request, decode.started_at, slow) <= self.clock.now
             if ready and assignment in decodes:
                 self.cluster.decode_step(worker_id, assignment)
 
@@ -387,23 +345,22 @@ class Simulation:
         rng = self._faults_rng
         window = self.scenario.fault_end_s
         for _ in range(self.swarm.crashes):
-            self._push(rng.uniform(0.5, window), self._crash, rng.choice(worker_ids))
+            self.clock.schedule(rng.uniform(0.5, window), self._crash, rng.choice(worker_ids))
         for _ in range(self.swarm.stalls):
             at, worker_id = rng.uniform(0.5, window), rng.choice(worker_ids)
-            self._push(at, self._stall, worker_id, rng.uniform(0.2, 3.0))
+            self.clock.schedule(at, self._stall, worker_id, rng.uniform(0.2, 3.0))
         for _ in range(self.swarm.partitions):
             at, worker_id = rng.uniform(0.5, window), rng.choice(worker_ids)
             direction = rng.choice(("to_worker", "from_worker", "both"))
-            self._push(at, self._partition, worker_id, direction, rng.uniform(0.1, 2.5))
+            self.clock.schedule(at, self._partition, worker_id, direction, rng.uniform(0.1, 2.5))
         for _ in range(self.swarm.decoder_failures):
-            self._push(rng.uniform(0.5, window), self._decoder_failure, rng.choice(worker_ids))
+            self.clock.schedule(
+                rng.uniform(0.5, window), self._decoder_failure, rng.choice(worker_ids)
+            )
         self._crash_downtime = [rng.uniform(0.1, 2.0) for _ in range(self.swarm.crashes)]
 
-    def _alive(self, worker_id: str) -> bool:
-        return worker_id not in self.cluster.down and worker_id not in self.cluster.paused
-
     def _crash(self, worker_id: str) -> None:
-        if self.healed or worker_id in self.cluster.down:
+        if self.healed or self.cluster.is_down(worker_id):
             return
         self._fault("crash", worker_id)
         self.cluster.crash_worker(worker_id)
@@ -412,9 +369,9 @@ class Simulation:
         downtime = self._crash_downtime.pop() if self._crash_downtime else 1.0
         notice = self.swarm.crash_notice_s
         if notice is not None and notice < downtime:
-            epoch = self.cluster.workers[worker_id].config.epoch
-            self._push(self.cluster.now + notice, self._crash_notice, worker_id, epoch)
-        self._push(self.cluster.now + downtime, self._scheduled_restart, worker_id)
+            epoch = self.cluster.epoch(worker_id)
+            self.clock.schedule(self.clock.now + notice, self._crash_notice, worker_id, epoch)
+        self.clock.schedule(self.clock.now + downtime, self._scheduled_restart, worker_id)
 
     def _crash_notice(self, worker_id: str, epoch: int) -> None:
         """The connection of the crashed process is seen to close (a TCP reset)."""
@@ -428,15 +385,15 @@ class Simulation:
         self.cluster.restart_worker(worker_id)
 
     def _stall(self, worker_id: str, duration_s: float) -> None:
-        if self.healed or not self._alive(worker_id):
+        if self.healed or not self.cluster.alive(worker_id):
             return
         self._fault("stall", worker_id)
         self.cluster.pause_worker(worker_id)
-        self._resume_at[worker_id] = self.cluster.now + duration_s
-        self._push(self.cluster.now + duration_s, self._resume, worker_id)
+        self._resume_at[worker_id] = self.clock.now + duration_s
+        self.clock.schedule(self.clock.now + duration_s, self._resume, worker_id)
 
     def _resume(self, worker_id: str) -> None:
-        if worker_id in self.cluster.paused:
+        if self.cluster.is_paused(worker_id):
             self._trace_note(f"resume {worker_id}")
             self.cluster.resume_worker(worker_id)
 
@@ -444,17 +401,17 @@ class Simulation:
         if self.healed:
             return
         self._fault("partition", f"{worker_id} {direction} {duration_s:.2f}s")
-        self._partitions.append((worker_id, direction, self.cluster.now + duration_s))
+        self._partitions.append((worker_id, direction, self.clock.now + duration_s))
 
     def _heal(self) -> None:
         self.healed = True
-        self._liveness_deadline = self.cluster.now + self._liveness_budget()
+        self._liveness_deadline = self.clock.now + self._liveness_budget()
         self._trace_note("heal: faults stop, liveness phase begins")
         self._partitions.clear()
-        for worker_id in sorted(self.cluster.down):
+        for worker_id in self.cluster.crashed():
             self._restart(worker_id)
-        for worker_id in sorted(self.cluster.paused):
-            self._resume_at[worker_id] = self.cluster.now
+        for worker_id in self.cluster.stalled():
+            self._resume_at[worker_id] = self.clock.now
             self._resume(worker_id)
 
     def _liveness_budget(self) -> float:
@@ -463,23 +420,17 @@ class Simulation:
         step_s = swarm.step_s * max(swarm.slowness) * (1 + 0.05 * max(swarm.slots))
         prefill_s = swarm.prefill_s_per_token * max(swarm.slowness)
         remaining_s = 0.0
-        for stream in self.cluster.streams.values():
-            if stream.outcome is None:
-                request = stream.request
-                remaining_s += request.max_new_tokens * step_s
-                remaining_s += len(request.prompt_token_ids) * prefill_s
+        for request in self.cluster.open_requests():
+            remaining_s += request.max_new_tokens * step_s
+            remaining_s += len(request.prompt_token_ids) * prefill_s
         return self.scenario.liveness_budget_s + remaining_s
 
     def _fault(self, kind: str, detail: str) -> None:
         self.faults[kind] += 1
         if self._trace_on:
-            self._trace(f"{self.cluster.now:9.4f} fault   {kind} {detail}")
+            self._trace(f"{self.clock.now:9.4f} fault   {kind} {detail}")
 
     # --- bookkeeping ---
-
-    def _push(self, time: float, action: Callable[..., None], *args: object) -> None:
-        self._order += 1
-        heapq.heappush(self._heap, (time, self._order, action, args))
 
     def _trace(self, line: str) -> None:
         assert self._hash is not None
@@ -490,31 +441,21 @@ class Simulation:
 
     def _trace_note(self, text: str) -> None:
         if self._trace_on:
-            self._trace(f"{self.cluster.now:9.4f} sim     {text}")
+            self._trace(f"{self.clock.now:9.4f} sim     {text}")
 
     def _result(self, violation: str | None) -> SimResult:
         cluster = self.cluster
-        stats = cluster.router.statistics()
-        fenced: Counter[str] = Counter({f"router.{k}": v for k, v in stats.fenced.items()})
-        for worker in cluster.workers.values():
-            for reason, n in worker.statistics().fenced.items():
-                fenced[f"worker.{reason}"] += n
-        outcomes: Counter[str] = Counter()
-        for stream in cluster.streams.values():
-            match stream.outcome:
-                case DeliverFinished(reason=reason) | DeliverError(kind=reason):
-                    outcomes[reason] += 1
         return SimResult(
             seed=self.seed,
             violation=violation,
-            requests=len(cluster.streams),
-            tokens_delivered=sum(len(s.tokens) for s in cluster.streams.values()),
+            requests=cluster.submitted(),
+            tokens_delivered=cluster.tokens_delivered(),
             events=self.events,
-            virtual_time_s=cluster.now,
-            outcomes=outcomes,
+            virtual_time_s=self.clock.now,
+            outcomes=cluster.outcomes(),
             faults=self.faults,
-            fenced=fenced,
-            resumes=stats.resumes,
+            fenced=cluster.fenced(),
+            resumes=cluster.router.statistics().resumes,
             trace_hash=self._hash.hexdigest() if self._hash is not None else None,
             trace_tail=list(self._tail),
         )
