@@ -89,6 +89,95 @@ def live_tasks() -> int:
     return walk(trio.lowlevel.current_root_task())
 
 
+Results = dict[str, tuple[list[int], DeliverFinished | DeliverError]]
+
+
+async def _kill_w1_under_load(
+    controller: Controller, port: int, w1: subprocess.Popen[bytes], results: Results
+) -> tuple[list[GenerationRequest], list[GenerationRequest], float]:
+    """4 long streams running and 4 short requests accepted but in prefill when w1
+    gets SIGKILL; returns (long, short, how long until w1's streams ended)."""
+
+    async def client(req: GenerationRequest) -> None:
+        results[req.request_id] = await collect(controller.submit(req))
+
+    long = [request(f"long-{i}", 400) for i in range(4)]  # 4 s of tokens each
+    short = [request(f"short-{i}", 30) for i in range(4)]
+    async with trio.open_nursery() as clients:
+        for req in long:
+            clients.start_soon(client, req)
+        # every long stream has its first token (after the 1.5 s prefill) ...
+        await wait_until(controller, lambda s: s.router.requests_by_phase.get("streaming") == 4, 10)
+        for req in short:
+            clients.start_soon(client, req)
+        # ... and the short ones are accepted, still in prefill, no token yet
+        await wait_until(controller, lambda s: s.router.requests_by_phase.get("assigned") == 4, 5)
+        # garbage on the worker port while all of this runs
+        assert await raw_connection(port, os.urandom(64) + b"\x00" * 8) == b""
+        killed_at = trio.current_time()
+        w1.send_signal(signal.SIGKILL)
+        lost_by = None
+        while lost_by is None:  # how long until w1's streams end
+            await trio.sleep(0.01)
+            lost = [r for r in results.values() if r[1].kind == "worker_lost"]  # type: ignore[union-attr]
+            if len(lost) == 2:
+                lost_by = trio.current_time() - killed_at
+            assert trio.current_time() - killed_at < 5, "streams hung after the kill"
+        # new requests keep succeeding meanwhile
+        fresh = request("after-kill", 20)
+        tokens, outcome = await collect(controller.submit(fresh))
+        assert tokens == expected(fresh) and isinstance(outcome, DeliverFinished)
+    return long, short, lost_by
+
+
+def _check_outcomes_after_the_kill(
+    long: list[GenerationRequest], short: list[GenerationRequest], results: Results
+) -> None:
+    for req in long:  # half were on w1: lost mid-stream, with what they had so far
+        tokens, outcome = results[req.request_id]
+        assert tokens == expected(req)[: len(tokens)]
+        if isinstance(outcome, DeliverError):
+            assert outcome.kind == "worker_lost" and len(tokens) > 0
+        else:
+            assert len(tokens) == 400
+    assert sum(isinstance(results[r.request_id][1], DeliverError) for r in long) == 2
+    for req in short:  # no token yet when w1 died: completed on w2
+        tokens, outcome = results[req.request_id]
+        assert isinstance(outcome, DeliverFinished), outcome
+        assert tokens == expected(req)
+
+
+async def _w1_returns_and_serves(
+    controller: Controller, workers: Workers, port: int, first_epoch: int
+) -> None:
+    """w1 comes back: a new process, a new (larger) epoch, serving again."""
+    workers.spawn(port, "w1")
+    stats = await wait_until(controller, lambda s: "w1" in healthy(s), 30)
+    assert healthy(stats)["w1"] > first_epoch
+    # frames from the dead epoch are refused at the door and change nothing
+    old = Heartbeat("w1", first_epoch, 99, 8, 8, 2048)
+    late_token = Token(Assignment("long-0", 1), 5, 1)
+    assert await raw_connection(port, encode_frame(old) + encode_frame(late_token)) == b""
+    assert controller.statistics().links["w1"] == healthy(stats)["w1"]
+    results: Results = {}
+
+    async def client(req: GenerationRequest) -> None:
+        results[req.request_id] = await collect(controller.submit(req))
+
+    async with trio.open_nursery() as clients:
+        again = [request(f"again-{i}", 20) for i in range(16)]
+        for req in again:
+            clients.start_soon(client, req)
+        await wait_until(
+            controller,
+            lambda s: all(w.held > 0 for w in s.router.workers if w.worker_id == "w1"),
+            10,
+        )
+    for req in again:
+        tokens, outcome = results[req.request_id]
+        assert tokens == expected(req) and isinstance(outcome, DeliverFinished)
+
+
 def test_kill_9_mid_stream_then_restart_with_a_new_epoch(workers: Workers) -> None:
     async def main() -> None:
         controller = Controller(CONFIG)
@@ -101,82 +190,15 @@ def test_kill_9_mid_stream_then_restart_with_a_new_epoch(workers: Workers) -> No
             first_epoch = healthy(stats)["w1"]
             baseline_tasks = live_tasks()
 
-            results: dict[str, tuple[list[int], DeliverFinished | DeliverError]] = {}
-
-            async def client(req: GenerationRequest) -> None:
-                results[req.request_id] = await collect(controller.submit(req))
-
-            long = [request(f"long-{i}", 400) for i in range(4)]  # 4 s of tokens each
-            short = [request(f"short-{i}", 30) for i in range(4)]
-            async with trio.open_nursery() as clients:
-                for req in long:
-                    clients.start_soon(client, req)
-                # every long stream has its first token (after the 1.5 s prefill) ...
-                await wait_until(
-                    controller, lambda s: s.router.requests_by_phase.get("streaming") == 4, 10
-                )
-                for req in short:
-                    clients.start_soon(client, req)
-                # ... and the short ones are accepted, still in prefill, no token yet
-                await wait_until(
-                    controller, lambda s: s.router.requests_by_phase.get("assigned") == 4, 5
-                )
-                # garbage on the worker port while all of this runs
-                assert await raw_connection(port, os.urandom(64) + b"\x00" * 8) == b""
-                killed_at = trio.current_time()
-                w1.send_signal(signal.SIGKILL)
-                lost_by = None
-                while lost_by is None:  # how long until w1's streams end
-                    await trio.sleep(0.01)
-                    lost = [r for r in results.values() if r[1].kind == "worker_lost"]  # type: ignore[union-attr]
-                    if len(lost) == 2:
-                        lost_by = trio.current_time() - killed_at
-                    assert trio.current_time() - killed_at < 5, "streams hung after the kill"
-                # new requests keep succeeding meanwhile
-                fresh = request("after-kill", 20)
-                tokens, outcome = await collect(controller.submit(fresh))
-                assert tokens == expected(fresh) and isinstance(outcome, DeliverFinished)
-
+            results: Results = {}
+            long, short, lost_by = await _kill_w1_under_load(controller, port, w1, results)
             assert lost_by <= HEARTBEAT_TIMEOUT_S + 0.5
-            for req in long:  # half were on w1: lost mid-stream, with what they had so far
-                tokens, outcome = results[req.request_id]
-                assert tokens == expected(req)[: len(tokens)]
-                if isinstance(outcome, DeliverError):
-                    assert outcome.kind == "worker_lost" and len(tokens) > 0
-                else:
-                    assert len(tokens) == 400
-            assert sum(isinstance(results[r.request_id][1], DeliverError) for r in long) == 2
-            for req in short:  # no token yet when w1 died: completed on w2
-                tokens, outcome = results[req.request_id]
-                assert isinstance(outcome, DeliverFinished), outcome
-                assert tokens == expected(req)
-
+            _check_outcomes_after_the_kill(long, short, results)
             stats = await wait_until(controller, settled, 5)
             assert healthy(stats) == {"w2": healthy(stats)["w2"]}
             assert set(stats.links) == {"w2"}
 
-            # w1 comes back: a new process, a new (larger) epoch, serving again
-            workers.spawn(port, "w1")
-            stats = await wait_until(controller, lambda s: "w1" in healthy(s), 30)
-            assert healthy(stats)["w1"] > first_epoch
-            # frames from the dead epoch are refused at the door and change nothing
-            old = Heartbeat("w1", first_epoch, 99, 8, 8, 2048)
-            late_token = Token(Assignment("long-0", 1), 5, 1)
-            assert await raw_connection(port, encode_frame(old) + encode_frame(late_token)) == b""
-            assert controller.statistics().links["w1"] == healthy(stats)["w1"]
-
-            async with trio.open_nursery() as clients:
-                again = [request(f"again-{i}", 20) for i in range(16)]
-                for req in again:
-                    clients.start_soon(client, req)
-                stats = await wait_until(
-                    controller,
-                    lambda s: all(w.held > 0 for w in s.router.workers if w.worker_id == "w1"),
-                    10,
-                )
-            for req in again:
-                tokens, outcome = results[req.request_id]
-                assert tokens == expected(req) and isinstance(outcome, DeliverFinished)
+            await _w1_returns_and_serves(controller, workers, port, first_epoch)
             await wait_until(controller, settled, 5)
             assert live_tasks() == baseline_tasks  # no task outlived its connection or request
             nursery.cancel_scope.cancel()
