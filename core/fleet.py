@@ -108,9 +108,6 @@ class Fleet:
         self.now = 0.0  # the `now` of the event being handled; never read from a clock
         self._fenced = fenced
 
-    def get(self, worker_id: str) -> WorkerRecord | None:
-        return self.workers.get(worker_id)
-
     # --- worker events ---
 
     def on_heartbeat(self, worker_id: str, beat: Heartbeat, out: list[RouterEffect]) -> None:

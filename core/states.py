@@ -65,9 +65,6 @@ class Table(Generic[S, E]):
             raise self.misuse(f"{self.name}: no move from {state.value} on {event.value}")
         return nxt
 
-    def allows(self, state: S, event: E) -> bool:
-        return (state, event) in self._moves
-
     def pairs(self) -> list[tuple[S, E, S]]:
         return [(state, event, nxt) for (state, event), nxt in self._moves.items()]
 
@@ -176,7 +173,6 @@ HOLD = Table[Hold, HoldEvent](
     RouterMisuse,
 )
 LIVE_HOLDS = frozenset({H.OFFERED, H.HELD, H.MISSING})  # the router still wants these
-CONFIRMED_HOLDS = frozenset({H.HELD, H.MISSING, H.DRAINING})
 
 
 # --- worker health (router) ---
