@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from adapters.engine.choose import choose, working_formats
 from adapters.engine.engine import Engine
 from adapters.engine.model import DEFAULT_MODEL_NAME, LoadedModel, load_model
+from adapters.engine.quality import gate_cache, passes, perplexities
 from core.batching import BatchLimits
 from core.protocol import Assignment, Decoded, GenerationRequest, Sampling
 
@@ -56,12 +58,30 @@ def test_the_default_model_names_paris(first_load: LoadedModel) -> None:
     assert tokens[-1] in first_load.eos_token_ids  # it stopped by itself, at EOS
 
 
-def test_int8_weights_still_name_paris(first_load: LoadedModel) -> None:
-    # int8 is an opt-in speed setting; engine.md records where its answers drift.
-    eng = Engine(first_load, BatchLimits(max_seqs=2, max_context=256), weights="int8")
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_every_weight_format_still_names_paris(first_load: LoadedModel, fmt: str) -> None:
+    if fmt not in working_formats(torch.device("cpu")):
+        pytest.skip(f"this CPU has no working {fmt} kernel")
+    eng = Engine(first_load, BatchLimits(max_seqs=2, max_context=256), weights=fmt)
     prompt = chat(first_load, "What is the capital of France?")
     tokens = generate(eng, [GenerationRequest("q", prompt, 24)])["q"]
     assert "Paris" in first_load.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_the_quality_gate_scores_formats_against_fp32_and_the_choice_passes_it(
+    first_load: LoadedModel, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FENCEPOST_CACHE", str(cache))
+    formats = [f for f in working_formats(torch.device("cpu")) if f != "fp32"]
+    scores = perplexities(first_load, formats, 128)
+    assert 5 < scores["fp32"] < 60  # English prose to a small chat model
+    assert all(passes(scores, f) for f in ("bf16", "int8") if f in scores)
+    assert gate_cache(first_load, 128).is_file()  # the next start reads it instead
+    lines: list[str] = []
+    choice = choose(first_load, 4, lines.append)
+    assert choice.format == "fp32" or passes(perplexities(first_load, formats, 512), choice.format)
+    assert choice.format in choice.reason and "ms at 1 row" in choice.reason
+    assert any(line.startswith("CPU: torch kernels") for line in lines)
 
 
 def test_greedy_output_is_the_same_alone_and_in_a_batch(first_load: LoadedModel) -> None:

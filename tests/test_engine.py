@@ -8,9 +8,11 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+from adapters.engine.choose import working_formats
 from adapters.engine.engine import Engine, EngineThread, TokenDraw, sample_rows, token_seed
-from adapters.engine.llama import Projection, UnsupportedModel
+from adapters.engine.llama import LlamaRunner, UnsupportedModel
 from adapters.engine.model import LoadedModel
+from adapters.engine.weights import FORMATS, activation_dtype, projection
 from core.batching import BatchLimits
 from core.protocol import (
     Assignment,
@@ -220,14 +222,48 @@ def test_the_engine_thread_streams_events_and_reports_a_broken_step(
         thread.close()
 
 
-def test_int8_projection_stays_close_to_the_float_one() -> None:
+@pytest.mark.parametrize(("fmt", "bound"), [("bf16", 0.01), ("int8", 0.02), ("int4", 0.12)])
+def test_each_weight_format_stays_close_to_fp32(fmt: str, bound: float) -> None:
     torch.manual_seed(3)
     weight, x = torch.randn(96, 64), torch.randn(16, 64)
-    exact = Projection(weight, int8=False)(x)
-    approx = Projection(weight, int8=True)(x)
+    exact = projection(weight, "fp32")(x)
     assert torch.equal(exact, x @ weight.T)
-    # about 2% with 7-bit activations; without reduce_range the x86 kernels saturate (~9%)
-    assert float((approx - exact).norm() / exact.norm()) < 0.04
+    approx = projection(weight, fmt)(x.to(activation_dtype(fmt))).float()
+    assert float((approx - exact).norm() / exact.norm()) < bound
+
+
+def test_int4_keeps_weights_already_on_a_q4_1_grid() -> None:
+    """A GGUF Q4_1 block is 32 values d*q + m: re-packed, they come back nearly exactly."""
+    torch.manual_seed(4)
+    q = torch.randint(0, 16, (64, 4, 32)).float()
+    q[:, :, 0], q[:, :, 1] = 0, 15  # a block's extremes are on the grid's ends, as Q4_1 makes them
+    d = torch.rand(64, 4, 1) * 0.01 + 0.001
+    m = -torch.rand(64, 4, 1) * 0.05
+    weight = (d * q + m).reshape(64, 128)
+    x = torch.randn(5, 128)
+    packed = projection(weight, "int4")(x.bfloat16()).float()
+    exact = x.bfloat16().float() @ weight.T
+    assert float((packed - exact).norm() / exact.norm()) < 0.01  # bf16 scales, nothing else
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_every_format_runs_the_engine_and_predicts_like_fp32(
+    tiny: LlamaForCausalLM, fmt: str
+) -> None:
+    loaded = LoadedModel(tiny, None, "tiny", frozenset(), 128, "built in the test")
+    reference = LlamaRunner(tiny, 1, 64, "fp32").prefill(0, 0, torch.tensor(PROMPTS[2]), True)
+    logits = LlamaRunner(tiny, 1, 64, fmt).prefill(0, 0, torch.tensor(PROMPTS[2]), True)
+    assert float((logits - reference).norm() / reference.norm()) < 0.1
+    limits = BatchLimits(max_seqs=2, max_context=64, max_step_tokens=8, max_prefill_tokens=4)
+    out = run(Engine(loaded, limits, weights=fmt), [GenerationRequest("f", PROMPTS[0], 6)])
+    assert out["f"][-1] == "length" and len(out["f"]) == 7
+    assert all(isinstance(t, int) and 0 <= t < VOCAB for t in out["f"][:-1])
+
+
+def test_a_cpu_always_has_fp32_and_the_choice_covers_only_working_formats() -> None:
+    working = working_formats(torch.device("cpu"))
+    assert "fp32" in working
+    assert set(working) <= set(FORMATS)
 
 
 def test_the_engine_drives_the_worker_machine_through_cancel_and_finish(

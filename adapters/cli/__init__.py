@@ -3,13 +3,17 @@
 Each command module offers `add_arguments(parser)` and `run(args) -> int`.
 Building the parser imports every command module, so a module that reaches
 the simulator or the benches does it inside `run`: `fencepost serve` and
-`fencepost worker` never load either. This package holds the two argument
-types the commands share.
+`fencepost worker` never load either. This package holds the argument types
+the commands share.
 """
 
 from __future__ import annotations
 
 import argparse
+
+# adapters/engine/weights.py FORMATS, plus "auto" (a test keeps the two alike; named here
+# so that building the command line does not import torch).
+WEIGHT_CHOICES = ("auto", "fp32", "bf16", "int8", "int4")
 
 
 def natural(text: str) -> int:

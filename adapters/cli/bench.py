@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from adapters.cli import positive
+from adapters.cli import WEIGHT_CHOICES, positive
 
 Flags = Callable[[argparse.ArgumentParser], None]
 Runner = Callable[[argparse.Namespace], int]
@@ -134,9 +134,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
     parser.add_argument(
         "--weights",
-        choices=("float", "int8"),
-        default="float",
-        help="engine weights: as loaded, or int8 (CPU; faster, visibly less accurate)",
+        choices=WEIGHT_CHOICES,
+        default="auto",
+        help="weight format; auto: measured at start (quality gate + speed)",
     )
 
 

@@ -23,6 +23,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
+from adapters.cli import WEIGHT_CHOICES
 from adapters.cli.worker import listen_address
 from adapters.openai.models import ChatModel, FakeChatModel, ServedModel
 from adapters.openai.server import FencepostApp, HttpLimits
@@ -47,7 +48,7 @@ class ServeOptions:
     slots: int = 16
     max_context: int = 2048
     threads: int | None = None
-    weights: str = "float"
+    weights: str = "auto"
     fake: bool = False
     fake_step_ms: float = 0.0
     drain_timeout_s: float = 30.0
@@ -69,7 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slots", type=int, default=16, help="concurrent sequences per worker")
     parser.add_argument("--max-context", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--weights", choices=("float", "int8"), default="float")
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHT_CHOICES,
+        default="auto",
+        help="weight format; auto: measured at start on CPU (quality gate + speed), bf16 on CUDA",
+    )
     parser.add_argument("--fake", action="store_true", help="a fake model: instant made-up words")
     parser.add_argument("--fake-step-ms", type=float, default=0.0)
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS")

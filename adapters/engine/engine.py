@@ -30,8 +30,9 @@ from typing import NamedTuple
 
 import torch
 
+from adapters.engine.choose import choose
 from adapters.engine.llama import LlamaRunner
-from adapters.engine.model import LoadedModel
+from adapters.engine.model import LoadedModel, say
 from core.batching import BatchLimits, Running, Waiting, admit, plan_step
 from core.decoding import Generation
 from core.protocol import (
@@ -93,14 +94,21 @@ class StepTiming:
 
 
 class Engine:
+    """weights: a format of adapters/engine/weights.py, or "auto" to choose one by
+    capability, quality and speed at start (adapters/engine/choose.py, logged)."""
+
     def __init__(
-        self, loaded: LoadedModel, limits: BatchLimits | None = None, weights: str = "float"
+        self, loaded: LoadedModel, limits: BatchLimits | None = None, weights: str = "fp32"
     ) -> None:
         limits = limits or BatchLimits(max_context=min(2048, loaded.max_context))
         if limits.max_context > loaded.max_context:
             raise ValueError(f"max_context {limits.max_context} > the model's {loaded.max_context}")
         self.loaded = loaded
         self.limits = limits
+        if weights == "auto":
+            choice = choose(loaded, limits.max_seqs, say)
+            say(choice.reason)
+            weights = choice.format
         self.runner = LlamaRunner(loaded.model, limits.max_seqs, limits.max_context, weights)
         self.device = self.runner.device
         self._keys = 0

@@ -58,7 +58,8 @@ def cache_root() -> Path:
     return Path(os.environ.get("FENCEPOST_CACHE", Path(base) / "fencepost"))
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
+    """A line for the person starting the server (stderr)."""
     print(f"[fencepost] {message}", file=sys.stderr, flush=True)
 
 
@@ -73,7 +74,7 @@ def load_model(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    say = (lambda _: None) if quiet else _say
+    speak = (lambda _: None) if quiet else say
     target = Path(path) if path is not None else default_gguf_path()
     if not target.exists():
         raise ModelNotFound(f"model path {target} does not exist")
@@ -82,28 +83,28 @@ def load_model(
     began = time.monotonic()
     if target.suffix == ".gguf":
         name = DEFAULT_MODEL_NAME if path is None else target.stem
-        cached = cache_root() / "models" / f"{target.stem}-{_fingerprint(target)}"
+        cached = cache_root() / "models" / f"{target.stem}-{fingerprint(target)}"
         if use_cache and (cached / "config.json").is_file():
-            say(f"loading {name} from its dequantized cache {cached}")
+            speak(f"loading {name} from its dequantized cache {cached}")
             directory = cached
         else:
-            say(f"loading {target.name}: parsing GGUF metadata takes ~20-30 s on first start")
+            speak(f"loading {target.name}: parsing GGUF metadata takes ~20-30 s on first start")
             tokenizer = AutoTokenizer.from_pretrained(target.parent, gguf_file=target.name)
             model = AutoModelForCausalLM.from_pretrained(
                 target.parent, gguf_file=target.name, dtype=torch.float32
             )
             if use_cache:
-                say(f"saving a dequantized copy to {cached} so later starts are fast")
+                speak(f"saving a dequantized copy to {cached} so later starts are fast")
                 _save_plain_copy(model, tokenizer, cached)
             return _finish(
-                model, tokenizer, name, torch_device, torch_dtype, str(target), began, say
+                model, tokenizer, name, torch_device, torch_dtype, str(target), began, speak
             )
     else:
         name = target.name
         directory = target
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    return _finish(model, tokenizer, name, torch_device, torch_dtype, str(directory), began, say)
+    return _finish(model, tokenizer, name, torch_device, torch_dtype, str(directory), began, speak)
 
 
 def _finish(
@@ -151,7 +152,18 @@ def _save_plain_copy(model: Any, tokenizer: Any, directory: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _fingerprint(path: Path) -> str:
+def model_key(loaded: LoadedModel) -> str:
+    """A name for the loaded weights that stays the same whether they came from the GGUF
+    file or from its dequantized cache (for caches keyed by model, such as the quality gate)."""
+    source = Path(loaded.source)
+    if source.suffix == ".gguf":
+        return f"{source.stem}-{fingerprint(source)}"
+    if source.parent == cache_root() / "models":
+        return source.name  # named <gguf stem>-<gguf fingerprint> when it was written
+    return f"{source.name}-{fingerprint(source)}"
+
+
+def fingerprint(path: Path) -> str:
     stat = path.stat()
     return hashlib.sha256(
         f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()

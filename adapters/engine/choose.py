@@ -1,0 +1,147 @@
+"""Choosing the weight format at start: what this CPU can run, how fast, and what passes.
+
+CPUs differ between machines (one here has AVX-512 with BF16 and VNNI, another
+had AVX2 only), so nothing is assumed. At start:
+
+1. capability: the CPU's flags and torch's kernel level are read (for the
+   log), and each format's kernel is run once on a small matrix and checked
+   against fp32; a format whose kernel is missing or wrong is not a candidate;
+2. quality: each candidate's perplexity against fp32's on the gate text
+   (adapters/engine/quality.py; measured once per model and cached);
+   a candidate over the gate is dropped;
+3. speed: a short microbenchmark of one decode step's matrix products at the
+   model's own shapes (random weights, since speed does not depend on the
+   values), at one row (a single stream) and at `rows` rows (a full batch);
+   the fastest at one row wins, unless it is more than 1.5x slower than
+   another passing format at full batch.
+
+The choice and the figures behind it go to the log. On CUDA the answer is
+bf16 without measuring.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from adapters.engine.model import LoadedModel
+from adapters.engine.weights import FORMATS, activation_dtype, output_format, projection
+
+Say = Callable[[str], None]
+GATE_TOKENS = 512  # tokens of reference text scored at start (bench quality scores more)
+
+
+@dataclass(frozen=True)
+class Choice:
+    format: str
+    reason: str  # one line for the log
+
+
+def cpu_flags() -> list[str]:
+    """The CPU features that matter to these kernels, as the kernel reports them."""
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    present = set(line.split())
+    return [flag for flag in wanted if flag in present]
+
+
+def working_formats(device: torch.device) -> list[str]:
+    """Formats whose kernels run here and agree with fp32 on a small product."""
+    if device.type != "cpu":
+        return ["bf16"]
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 128, generator=generator)
+    x = torch.randn(3, 128, generator=generator)
+    exact = x @ weight.T
+    found = []
+    for fmt in FORMATS:
+        try:
+            got = projection(weight, fmt)(x.to(activation_dtype(fmt))).float()
+        except (RuntimeError, NotImplementedError, ValueError):
+            continue
+        error = float((got - exact).norm() / exact.norm())
+        if error < 0.1:  # int4 of random data errs about 5%; a broken kernel errs ~100%
+            found.append(fmt)
+    return found
+
+
+def product_shapes(model: Any) -> list[tuple[int, int, int]]:
+    """(out, in, how many per step) of one decode step's products in the layers."""
+    config = model.config
+    hidden, inter = int(config.hidden_size), int(config.intermediate_size)
+    heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    layers = int(config.num_hidden_layers)
+    qkv = (heads + 2 * kv_heads) * head_dim
+    return [
+        (qkv, hidden, layers),
+        (hidden, heads * head_dim, layers),
+        (2 * inter, hidden, layers),
+        (hidden, inter, layers),
+    ]
+
+
+def output_shape(model: Any) -> tuple[int, int, int]:
+    return (int(model.config.vocab_size), int(model.config.hidden_size), 1)
+
+
+def step_products_s(
+    shapes: list[tuple[int, int, int]], fmt: str, rows: int, repeats: int = 5
+) -> float:
+    """Seconds for one step's matrix products in `fmt` at `rows` rows (best of repeats)."""
+    generator = torch.Generator().manual_seed(1)
+    dtype = activation_dtype(fmt)
+    parts = []
+    for index, (out_features, in_features, count) in enumerate(shapes):
+        weight = torch.randn(out_features, in_features, generator=generator) * 0.02
+        x = torch.randn(rows, in_features, generator=generator).to(dtype)
+        last = index == len(shapes) - 1  # the output projection
+        parts.append((projection(weight, output_format(fmt) if last else fmt), x, count))
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        for product, x, count in parts:
+            for _ in range(count):
+                product(x)
+        best = min(best, time.perf_counter() - began)
+    return best
+
+
+def choose(loaded: LoadedModel, rows: int, say: Say) -> Choice:
+    device = next(loaded.model.parameters()).device
+    if device.type != "cpu":
+        return Choice("bf16", f"bf16 on {device.type}")
+    from adapters.engine.quality import GATE, passes, perplexities
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    working = working_formats(device)
+    say(f"CPU: torch kernels {capability}; flags {' '.join(cpu_flags()) or 'none of note'}")
+    quality = perplexities(loaded, [f for f in working if f != "fp32"], GATE_TOKENS, say)
+    passing = [f for f in working if passes(quality, f)]
+    shapes = [*product_shapes(loaded.model), output_shape(loaded.model)]
+    one = {fmt: step_products_s(shapes, fmt, 1) for fmt in passing}
+    full = {fmt: step_products_s(shapes, fmt, rows) for fmt in passing}
+    best_full = min(full.values())
+    eligible = [f for f in passing if full[f] <= 1.5 * best_full]
+    chosen = min(eligible, key=lambda f: one[f])
+    figures = "; ".join(
+        f"{fmt}: {one[fmt] * 1e3:.1f} ms at 1 row, {full[fmt] * 1e3:.1f} ms at {rows}, "
+        f"perplexity {quality[fmt]:.3f}" + ("" if fmt in passing else " (fails the gate)")
+        for fmt in working
+        if fmt in one
+    )
+    failed = [f for f in working if f not in passing]
+    if failed:
+        figures += f"; over the {GATE:.0%} gate: " + ", ".join(
+            f"{f} {quality[f]:.3f}" for f in failed
+        )
+    return Choice(chosen, f"weights {chosen}, chosen by measurement ({figures})")
