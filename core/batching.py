@@ -9,7 +9,10 @@ policy can be tested, and later simulated, without torch. Two pure functions:
   finished its prefill decodes one token (running decodes are never starved);
   the rest of the step's token budget goes to prefill chunks, oldest sequence
   first, each chunk at most `max_prefill_tokens` (so a long prompt is chunked
-  over several steps and never stalls the running decodes for long).
+  over several steps and never stalls the running decodes for long). A step
+  with nothing to decode has nobody to stall: it may prefill up to
+  `max_idle_prefill_tokens`, in chunks as large, so that requests arriving
+  together at an idle engine all get their first token from one step.
 
 The limits guarantee progress: `max_step_tokens > max_seqs`, so even a full
 batch of decodes leaves room for at least one prefill token per step.
@@ -27,12 +30,15 @@ class BatchLimits(Struct, frozen=True):
     max_context: int = 2048  # tokens one slot's cache holds (prompt + output)
     max_step_tokens: int = 256  # tokens computed by one step, decodes included
     max_prefill_tokens: int = 128  # largest prefill chunk of one sequence per step
+    max_idle_prefill_tokens: int = 1024  # a step with nothing decoding: budget and chunk
 
     def __post_init__(self) -> None:
         if min(self.max_seqs, self.max_context, self.max_prefill_tokens) < 1:
             raise ValueError("batch limits must be positive")
         if self.max_step_tokens <= self.max_seqs:
             raise ValueError("max_step_tokens must exceed max_seqs so prefill always progresses")
+        if self.max_idle_prefill_tokens < self.max_prefill_tokens:
+            raise ValueError("max_idle_prefill_tokens must be at least max_prefill_tokens")
 
 
 class Waiting(Struct, frozen=True):
@@ -81,13 +87,16 @@ def admit(waiting: Sequence[Waiting], running: int, limits: BatchLimits) -> Admi
 def plan_step(running: Sequence[Running], limits: BatchLimits) -> StepPlan:
     """Decodes first, then prefill chunks in admission order within the budget."""
     decode = tuple(seq.key for seq in running if seq.decoding)
-    budget = limits.max_step_tokens - len(decode)
+    if decode:
+        budget, largest = limits.max_step_tokens - len(decode), limits.max_prefill_tokens
+    else:  # nothing to stall: prefill as much as an idle step may
+        budget = largest = limits.max_idle_prefill_tokens
     prefill: list[tuple[int, int]] = []
     for seq in running:
         if budget <= 0:
             break
         if not seq.decoding:
-            chunk = min(seq.prompt_tokens - seq.prefilled, limits.max_prefill_tokens, budget)
+            chunk = min(seq.prompt_tokens - seq.prefilled, largest, budget)
             prefill.append((seq.key, chunk))
             budget -= chunk
     return StepPlan(decode, tuple(prefill))

@@ -73,13 +73,13 @@ class Server:
         with log.open("wb") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=out, env=env)
 
-    def wait_ready(self, timeout_s: float) -> None:
+    def wait_ready(self, timeout_s: float, path: str = "/health") -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.name} exited; see {self.log}")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=2):
                     return
             except OSError:
                 time.sleep(0.5)

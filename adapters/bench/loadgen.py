@@ -25,13 +25,20 @@ class StreamResult:
     status: int = 0
     ttft_s: float | None = None  # request sent -> first non-empty content delta
     gaps_s: list[float] = field(default_factory=list)  # between content chunks
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # as the server's usage says; see tokens
+    content_chunks: int = 0
     finish_reason: str | None = None
     error: str | None = None
     error_code: str | None = None  # the OpenAI error's code, when the server sent one
     done: bool = False  # saw data: [DONE]
     hung_up: bool = False  # this client disconnected on purpose
     elapsed_s: float = 0.0
+
+
+def tokens_of(result: StreamResult) -> int:
+    """Completion tokens: the server's usage, or for a server that sends none (one token
+    per chunk, as llama-cpp-python streams) the content chunks."""
+    return result.completion_tokens or result.content_chunks
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,7 @@ async def stream_chat(
                                 result.gaps_s.append(now - last)
                             last = now
                             chunks += 1
+                            result.content_chunks += 1
                     if behaviour.hang_up_after is not None and chunks >= behaviour.hang_up_after:
                         result.hung_up = True
                         break

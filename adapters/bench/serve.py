@@ -37,7 +37,7 @@ from adapters.bench.harness import (
     percentile,
     scrape,
 )
-from adapters.bench.loadgen import FAST, ClientBehaviour, StreamResult, stream_chat
+from adapters.bench.loadgen import FAST, ClientBehaviour, StreamResult, stream_chat, tokens_of
 
 SLOW = ClientBehaviour(slow_read_s=0.2, slow_read_bytes=512, receive_buffer=4096)
 HANG_UP = ClientBehaviour(hang_up_after=5)
@@ -56,6 +56,7 @@ class ServeLoad:
     mixed: bool
     baselines: bool
     threads: int | None
+    peer_llama_cpp: str | None = None  # a Python with llama-cpp-python[server] installed
 
     @property
     def top(self) -> int:
@@ -74,7 +75,7 @@ class Level:
 
     @property
     def tokens(self) -> int:
-        return sum(r.completion_tokens for r in self.results)
+        return sum(tokens_of(r) for r in self.results)
 
     @property
     def rate(self) -> float:
@@ -165,10 +166,11 @@ def engine_only(load: ServeLoad) -> float:
     from core.protocol import Assignment, Decoded, DecodeDone, GenerationRequest, Sampling
 
     loaded = load_model(load.model_path, quiet=True)
-    engine = Engine(loaded, BatchLimits(max_seqs=load.top, max_context=2048))
-    # the same torch threads as the server's engine thread had
-    threads = load.threads or default_threads(engine.device.type) or torch.get_num_threads()
+    # the same torch threads as the server's engine thread had, and the same format choice
+    device = next(loaded.model.parameters()).device.type
+    threads = load.threads or default_threads(device) or torch.get_num_threads()
     torch.set_num_threads(threads)
+    engine = Engine(loaded, BatchLimits(max_seqs=load.top, max_context=2048), weights="auto")
     chat = ChatModel("bench", loaded.tokenizer, 2048)  # the server's own chat tokenizing
     pending = []
     for i in range(load.top * load.rounds):
@@ -202,6 +204,8 @@ def main(load: ServeLoad) -> int:
     served = measure_fencepost(load, logs)
     engine_rate = None if load.fake else engine_only(load)
     base_rows = run_baselines(load, logs) if load.baselines and not load.fake else []
+    if load.peer_llama_cpp and not load.fake:
+        base_rows += llama_cpp_rows(load, logs)
     report(load, served, base_rows, engine_rate)
     return 0
 
@@ -262,6 +266,39 @@ def run_baselines(load: ServeLoad, logs: Path) -> list[Level]:
     return rows
 
 
+def llama_cpp_rows(load: ServeLoad, logs: Path) -> list[Level]:
+    """llama-cpp-python's OpenAI server, started as its docs say, on the GGUF file fencepost
+    serves (the default model's Q4_1), the same load at every level. It streams one
+    token per chunk and no usage, so its tokens are its content chunks."""
+    from adapters.engine.model import default_gguf_path
+
+    gguf = Path(load.model_path) if load.model_path else default_gguf_path()
+    if gguf.suffix != ".gguf":
+        print("  llama-cpp-python: needs a .gguf model")
+        return []
+    port, rows = free_port(), []
+    threads = load.threads or max(1, (os.cpu_count() or 2) - 1)  # as fencepost serve's default
+    command = [load.peer_llama_cpp or sys.executable, "-m", "llama_cpp.server",
+               "--model", str(gguf), "--model_alias", "bench", "--host", "127.0.0.1",
+               "--port", str(port), "--n_ctx", "2048", "--n_threads", str(threads),
+               # by default a new request interrupts the running one; clients should queue
+               "--interrupt_requests", "False"]  # fmt: skip
+    server = Server("llama-cpp-python", command, port, logs / "llama-cpp-python.log")
+    try:
+        server.wait_ready(300, path="/v1/models")
+        trio.run(run_level, port, "warm-up", 1, load.warm_up(), "bench")
+        for c in load.concurrency:
+            rows.append(
+                trio.run(run_level, port, f"llama-cpp-python ({threads} thr)", c, load, "bench")
+            )
+            print(rows[-1].row(), flush=True)
+    except RuntimeError as error:
+        print(f"  llama-cpp-python: {error}")
+    finally:
+        server.stop()
+    return rows
+
+
 def naive_rows(load: ServeLoad, logs: Path) -> list[Level]:
     rows = []
     port = free_port()
@@ -312,6 +349,13 @@ def report(
         if peer.concurrency in clean:
             ratio = clean[peer.concurrency].rate / peer.rate if peer.rate else float("inf")
             print(f"  fencepost / transformers serve at {peer.concurrency}: {ratio:.2f}x")
+    for peer in (r for r in base_rows if r.label.startswith("llama-cpp")):
+        if peer.concurrency in clean:
+            mine = clean[peer.concurrency]
+            ratio = mine.rate / peer.rate if peer.rate else float("inf")
+            print(f"  fencepost / llama-cpp-python at {peer.concurrency}: {ratio:.2f}x tokens/s, "
+                  f"ITL p50 {mine.itl(50) * 1e3:.0f} vs {peer.itl(50) * 1e3:.0f} ms, "
+                  f"TTFT p50 {mine.ttft(50):.2f} vs {peer.ttft(50):.2f} s")  # fmt: skip
     if 8 in clean:
         print(f"  TTFT p50 at 8 concurrent: {clean[8].ttft(50):.3f} s (goal <= 1 s)")
     if load.mixed:

@@ -74,6 +74,13 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixed", action="store_true", help="add slow and hang-up clients")
     parser.add_argument("--baselines", action="store_true", help="naive and HF servers too")
     parser.add_argument("--threads", type=positive, default=None)
+    parser.add_argument(
+        "--peer-llama-cpp",
+        metavar="PYTHON",
+        default=None,
+        help="also run llama-cpp-python's server with this Python (one with "
+        "llama-cpp-python[server] installed) on the same GGUF and load",
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -89,6 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
         mixed=args.mixed,
         baselines=args.baselines,
         threads=args.threads,
+        peer_llama_cpp=args.peer_llama_cpp,
     )
     return serve.main(load)
 
@@ -152,6 +160,19 @@ def _engine(args: argparse.Namespace) -> int:
     )
 
 
+def _quality_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
+    parser.add_argument("--tokens", type=positive, default=2048, help="tokens of text scored")
+    parser.add_argument("--generate", type=positive, default=48, help="greedy tokens a prompt")
+    parser.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
+
+
+def _quality(args: argparse.Namespace) -> int:
+    from adapters.bench import quality
+
+    return quality.main(args.model, args.tokens, args.generate, args.threads)
+
+
 BENCHES = (
     Bench("router", "fenced token deliveries/s through Router.handle", _router_flags, _router),
     Bench(
@@ -174,6 +195,12 @@ BENCHES = (
         _naive_server,
     ),
     Bench("engine", "decode engine vs HF generate, tokens/s", _engine_flags, _engine),
+    Bench(
+        "quality",
+        "every weight format against fp32: perplexity, greedy agreement, step time",
+        _quality_flags,
+        _quality,
+    ),
 )
 
 

@@ -215,10 +215,18 @@ def engine_decoder(
     loaded: LoadedModel, slots: int, max_context: int, weights: str, threads: int | None
 ) -> EngineDecoder:
     """The torch engine for a loaded model: `slots` sequences of at most max_context
-    tokens (capped at the model's own), stepping on its own thread."""
+    tokens (capped at the model's own), stepping on its own thread. The torch threads
+    are set first, so that choosing the weight format measures what serving will run."""
+    import torch
+
     from adapters.engine.engine import Engine
     from core.batching import BatchLimits
 
+    device = next(loaded.model.parameters()).device.type
+    if threads is None:
+        threads = default_threads(device)
+    if threads is not None:
+        torch.set_num_threads(threads)
     limits = BatchLimits(max_seqs=slots, max_context=min(max_context, loaded.max_context))
     return EngineDecoder(Engine(loaded, limits, weights=weights), threads)
 
