@@ -36,3 +36,12 @@ def test_the_worker_loss_drill_loses_only_started_streams_and_leaks_nothing() ->
     assert int(kinds["completed"]) > 0
     assert "killed worker w1" in out
     assert "afterwards: 0 open requests, 0 slots held, 1 healthy worker(s)" in out
+
+
+def test_bench_quality_reports_every_working_format_against_fp32() -> None:
+    out = fencepost("bench", "quality", "--tokens", "128", "--generate", "6")
+    rows = dict(re.findall(r"^\s{2}(fp32|bf16|int8|int4)\s+(\S+)", out, re.MULTILINE))
+    assert "fp32" in rows and float(rows["fp32"]) > 1.0  # a perplexity
+    assert len(rows) >= 2  # fp32 and at least one other format ran here
+    assert re.search(r"^\s{2}fp32 .* pass ", out, re.MULTILINE)
+    assert "gate: perplexity within 2% of fp32" in out

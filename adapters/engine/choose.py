@@ -9,11 +9,10 @@ had AVX2 only), so nothing is assumed. At start:
 2. quality: each candidate's perplexity against fp32's on the gate text
    (adapters/engine/quality.py; measured once per model and cached);
    a candidate over the gate is dropped;
-3. speed: a short microbenchmark of one decode step's matrix products at the
-   model's own shapes (random weights, since speed does not depend on the
-   values), at one row (a single stream) and at `rows` rows (a full batch);
-   the fastest at one row wins, unless it is more than 1.5x slower than
-   another passing format at full batch.
+3. speed: a short microbenchmark of whole decode steps on the model itself in
+   each passing format, at one row (a single stream) and at `rows` rows (a
+   full batch); the fastest at one row wins, unless it is more than 1.5x
+   slower than another passing format at full batch.
 
 The choice and the figures behind it go to the log. On CUDA the answer is
 bf16 without measuring.
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 
 from adapters.engine.model import LoadedModel
-from adapters.engine.weights import FORMATS, activation_dtype, output_format, projection
+from adapters.engine.weights import FORMATS, activation_dtype, projection
 
 Say = Callable[[str], None]
 GATE_TOKENS = 512  # tokens of reference text scored at start (bench quality scores more)
@@ -74,44 +73,20 @@ def working_formats(device: torch.device) -> list[str]:
     return found
 
 
-def product_shapes(model: Any) -> list[tuple[int, int, int]]:
-    """(out, in, how many per step) of one decode step's products in the layers."""
-    config = model.config
-    hidden, inter = int(config.hidden_size), int(config.intermediate_size)
-    heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
-    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
-    layers = int(config.num_hidden_layers)
-    qkv = (heads + 2 * kv_heads) * head_dim
-    return [
-        (qkv, hidden, layers),
-        (hidden, heads * head_dim, layers),
-        (2 * inter, hidden, layers),
-        (hidden, inter, layers),
-    ]
+def decode_step_s(model: Any, fmt: str, rows: int, repeats: int = 5) -> float:
+    """Seconds for one decode step of `rows` rows at position 128 on the real model in
+    `fmt` (best of `repeats`): the products, norms, attention and all."""
+    from adapters.engine.llama import LlamaRunner
 
-
-def output_shape(model: Any) -> tuple[int, int, int]:
-    return (int(model.config.vocab_size), int(model.config.hidden_size), 1)
-
-
-def step_products_s(
-    shapes: list[tuple[int, int, int]], fmt: str, rows: int, repeats: int = 5
-) -> float:
-    """Seconds for one step's matrix products in `fmt` at `rows` rows (best of repeats)."""
-    generator = torch.Generator().manual_seed(1)
-    dtype = activation_dtype(fmt)
-    parts = []
-    for index, (out_features, in_features, count) in enumerate(shapes):
-        weight = torch.randn(out_features, in_features, generator=generator) * 0.02
-        x = torch.randn(rows, in_features, generator=generator).to(dtype)
-        last = index == len(shapes) - 1  # the output projection
-        parts.append((projection(weight, output_format(fmt) if last else fmt), x, count))
+    runner = LlamaRunner(model, rows, 160, fmt)
+    slots = torch.arange(rows)
+    positions = torch.full((rows,), 128)
+    tokens = torch.zeros(rows, dtype=torch.long)
+    runner.decode(slots, positions, tokens)  # warm
     best = float("inf")
     for _ in range(repeats):
         began = time.perf_counter()
-        for product, x, count in parts:
-            for _ in range(count):
-                product(x)
+        runner.decode(slots, positions, tokens)
         best = min(best, time.perf_counter() - began)
     return best
 
@@ -127,9 +102,8 @@ def choose(loaded: LoadedModel, rows: int, say: Say) -> Choice:
     say(f"CPU: torch kernels {capability}; flags {' '.join(cpu_flags()) or 'none of note'}")
     quality = perplexities(loaded, [f for f in working if f != "fp32"], GATE_TOKENS, say)
     passing = [f for f in working if passes(quality, f)]
-    shapes = [*product_shapes(loaded.model), output_shape(loaded.model)]
-    one = {fmt: step_products_s(shapes, fmt, 1) for fmt in passing}
-    full = {fmt: step_products_s(shapes, fmt, rows) for fmt in passing}
+    one = {fmt: decode_step_s(loaded.model, fmt, 1) for fmt in passing}
+    full = {fmt: decode_step_s(loaded.model, fmt, rows) for fmt in passing}
     best_full = min(full.values())
     eligible = [f for f in passing if full[f] <= 1.5 * best_full]
     chosen = min(eligible, key=lambda f: one[f])
