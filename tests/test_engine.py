@@ -372,3 +372,9 @@ def test_a_continuation_of_an_ended_output_ends_at_once(tiny: LlamaForCausalLM) 
         DecodeDone(Assignment("b", 2), "eos"),
     ]
     assert not eng.has_work()
+
+
+def test_the_command_line_offers_exactly_the_engine_formats_and_auto() -> None:
+    from adapters.cli import WEIGHT_CHOICES
+
+    assert WEIGHT_CHOICES == ("auto", *FORMATS)

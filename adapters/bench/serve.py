@@ -252,15 +252,23 @@ def run_baselines(load: ServeLoad, logs: Path) -> list[Level]:
     command = [peer, "serve", "--continuous-batching", "--device", "cpu", "--port", str(port),
                "--host", "127.0.0.1", str(hf_dir)]  # fmt: skip
     server = Server("transformers serve", command, port, logs / "transformers-serve.log")
+    label = "transformers serve --cb"
+    return rows + peer_rows(server, label, sorted({1, load.top}), load, str(hf_dir), "/health")
+
+
+def peer_rows(
+    server: Server, label: str, levels: list[int], load: ServeLoad, model: str, ready: str
+) -> list[Level]:
+    """A peer server's rows at each level (it is stopped afterwards, whatever happened)."""
+    rows: list[Level] = []
     try:
-        server.wait_ready(600)
-        trio.run(run_level, port, "warm-up", 1, load.warm_up(), str(hf_dir))
-        for c in sorted({1, load.top}):
-            label = "transformers serve --cb"
-            rows.append(trio.run(run_level, port, label, c, load, str(hf_dir)))
+        server.wait_ready(600, path=ready)
+        trio.run(run_level, server.port, "warm-up", 1, load.warm_up(), model)
+        for c in levels:
+            rows.append(trio.run(run_level, server.port, label, c, load, model))
             print(rows[-1].row(), flush=True)
     except RuntimeError as error:
-        print(f"  transformers serve: {error}")
+        print(f"  {server.name}: {error}")
     finally:
         server.stop()
     return rows
@@ -276,7 +284,7 @@ def llama_cpp_rows(load: ServeLoad, logs: Path) -> list[Level]:
     if gguf.suffix != ".gguf":
         print("  llama-cpp-python: needs a .gguf model")
         return []
-    port, rows = free_port(), []
+    port = free_port()
     threads = load.threads or max(1, (os.cpu_count() or 2) - 1)  # as fencepost serve's default
     command = [load.peer_llama_cpp or sys.executable, "-m", "llama_cpp.server",
                "--model", str(gguf), "--model_alias", "bench", "--host", "127.0.0.1",
@@ -284,19 +292,8 @@ def llama_cpp_rows(load: ServeLoad, logs: Path) -> list[Level]:
                # by default a new request interrupts the running one; clients should queue
                "--interrupt_requests", "False"]  # fmt: skip
     server = Server("llama-cpp-python", command, port, logs / "llama-cpp-python.log")
-    try:
-        server.wait_ready(300, path="/v1/models")
-        trio.run(run_level, port, "warm-up", 1, load.warm_up(), "bench")
-        for c in load.concurrency:
-            rows.append(
-                trio.run(run_level, port, f"llama-cpp-python ({threads} thr)", c, load, "bench")
-            )
-            print(rows[-1].row(), flush=True)
-    except RuntimeError as error:
-        print(f"  llama-cpp-python: {error}")
-    finally:
-        server.stop()
-    return rows
+    label = f"llama-cpp-python ({threads} thr)"
+    return peer_rows(server, label, list(load.concurrency), load, "bench", "/v1/models")
 
 
 def naive_rows(load: ServeLoad, logs: Path) -> list[Level]:

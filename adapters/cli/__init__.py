@@ -16,6 +16,16 @@ import argparse
 WEIGHT_CHOICES = ("auto", "fp32", "bf16", "int8", "int4")
 
 
+def add_weights_argument(parser: argparse.ArgumentParser) -> None:
+    """--weights, as serve, worker and the engine bench take it."""
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHT_CHOICES,
+        default="auto",
+        help="weight format; auto: measured at start on CPU (quality gate + speed), bf16 on CUDA",
+    )
+
+
 def natural(text: str) -> int:
     """An argument that must be a whole number, zero or more."""
     try:

@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from adapters.cli import WEIGHT_CHOICES, positive
+from adapters.cli import add_weights_argument, positive
 
 Flags = Callable[[argparse.ArgumentParser], None]
 Runner = Callable[[argparse.Namespace], int]
@@ -140,12 +140,7 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=positive, default=128, help="new tokens per request")
     parser.add_argument("--concurrency", default="1,4,8,16", help="comma-separated stream counts")
     parser.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
-    parser.add_argument(
-        "--weights",
-        choices=WEIGHT_CHOICES,
-        default="auto",
-        help="weight format; auto: measured at start (quality gate + speed)",
-    )
+    add_weights_argument(parser)
 
 
 def _engine(args: argparse.Namespace) -> int:

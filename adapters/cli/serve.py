@@ -23,7 +23,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
-from adapters.cli import WEIGHT_CHOICES
+from adapters.cli import add_weights_argument
 from adapters.cli.worker import listen_address
 from adapters.openai.models import ChatModel, FakeChatModel, ServedModel
 from adapters.openai.server import FencepostApp, HttpLimits
@@ -70,12 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slots", type=int, default=16, help="concurrent sequences per worker")
     parser.add_argument("--max-context", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument(
-        "--weights",
-        choices=WEIGHT_CHOICES,
-        default="auto",
-        help="weight format; auto: measured at start on CPU (quality gate + speed), bf16 on CUDA",
-    )
+    add_weights_argument(parser)
     parser.add_argument("--fake", action="store_true", help="a fake model: instant made-up words")
     parser.add_argument("--fake-step-ms", type=float, default=0.0)
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS")

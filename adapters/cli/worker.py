@@ -16,7 +16,7 @@ import socket
 
 import trio
 
-from adapters.cli import WEIGHT_CHOICES
+from adapters.cli import add_weights_argument
 from adapters.runtime.tcp import RemoteWorker
 from adapters.runtime.worker_host import Decoder, FakeDecoder, engine_decoder
 from core.worker import WorkerConfig
@@ -33,12 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS")
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument(
-        "--weights",
-        choices=WEIGHT_CHOICES,
-        default="auto",
-        help="weight format; auto: measured at start on CPU (quality gate + speed), bf16 on CUDA",
-    )
+    add_weights_argument(parser)
     parser.add_argument(
         "--fake", action="store_true", help="a deterministic fake decoder instead of a model"
     )
