@@ -377,4 +377,4 @@ def test_a_continuation_of_an_ended_output_ends_at_once(tiny: LlamaForCausalLM) 
 def test_the_command_line_offers_exactly_the_engine_formats_and_auto() -> None:
     from adapters.cli import WEIGHT_CHOICES
 
-    assert WEIGHT_CHOICES == ("auto", *FORMATS)
+    assert ("auto", *FORMATS) == WEIGHT_CHOICES
