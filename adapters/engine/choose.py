@@ -68,7 +68,7 @@ def working_formats(device: torch.device) -> list[str]:
         except (RuntimeError, NotImplementedError, ValueError):
             continue
         error = float((got - exact).norm() / exact.norm())
-        if error < 0.1:  # int4 of random data errs about 5%; a broken kernel errs ~100%
+        if error < 0.25:  # int4 of this random data errs 8%; a broken kernel errs ~100%
             found.append(fmt)
     return found
 
