@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from adapters.engine.engine import Engine
-from adapters.engine.model import LoadedModel, load_model
+from adapters.engine.model import LoadedModel, chat_token_ids, load_model
 from core.batching import BatchLimits
 from core.protocol import Assignment, Decoded, GenerationRequest, Sampling
 
@@ -29,11 +29,7 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 
 
 def _prompt_ids(loaded: LoadedModel) -> tuple[int, ...]:
-    encoded = loaded.tokenizer.apply_chat_template(
-        [{"role": "user", "content": PROMPT}], add_generation_prompt=True
-    )
-    ids = encoded["input_ids"] if not isinstance(encoded, list) else encoded
-    return tuple(int(t) for t in ids)
+    return tuple(chat_token_ids(loaded.tokenizer, [{"role": "user", "content": PROMPT}]))
 
 
 def hf_generate_rate(loaded: LoadedModel, prompt: tuple[int, ...], tokens: int) -> float:

@@ -21,7 +21,7 @@ from hypercorn.trio import serve
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from adapters.engine.model import load_model
+from adapters.engine.model import chat_token_ids, load_model
 from adapters.openai.egress import IncrementalDetokenizer
 
 
@@ -59,8 +59,7 @@ def main(port: int, model_path: str | None, threads: int | None) -> int:
     @app.post("/v1/chat/completions")
     async def chat() -> Response:
         body: dict[str, Any] = await request.get_json()
-        encoded = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True)
-        ids = encoded["input_ids"] if not isinstance(encoded, list) else encoded
+        ids = chat_token_ids(tokenizer, body["messages"])
         max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 128)
         temperature = float(body.get("temperature", 1.0))
 

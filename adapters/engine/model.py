@@ -40,6 +40,14 @@ class LoadedModel:
     source: str  # where it was loaded from, for the person starting the server
 
 
+def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The prompt token ids for chat `messages` through the tokenizer's chat template,
+    ready for the assistant's turn (transformers returns a list or an encoding)."""
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+    return [int(t) for t in ids]
+
+
 def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:

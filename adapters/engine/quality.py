@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from adapters.engine.llama import LlamaRunner
-from adapters.engine.model import LoadedModel, cache_root, model_key
+from adapters.engine.model import LoadedModel, cache_root, chat_token_ids, model_key
 
 GATE = 0.02  # a default format's perplexity may exceed fp32's by at most 2%
 TOPICS = ("naming", "exceptions", "execmodel", "truth", "if", "while", "for", "try", "function")
@@ -92,9 +92,7 @@ def greedy_agreement(
 
     engine = Engine(loaded, BatchLimits(max_seqs=len(CHAT_PROMPTS), max_context=512), fmt)
     for i, prompt in enumerate(CHAT_PROMPTS):
-        chat = [{"role": "user", "content": prompt}]
-        ids = loaded.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        ids = chat_token_ids(loaded.tokenizer, [{"role": "user", "content": prompt}])
         engine.start(Assignment(f"p{i}", 1), GenerationRequest(f"p{i}", tuple(ids), tokens))
     outputs: dict[str, list[int]] = {f"p{i}": [] for i in range(len(CHAT_PROMPTS))}
     while engine.has_work():

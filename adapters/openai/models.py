@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from adapters.engine.model import chat_token_ids
 from adapters.openai.normalize import ChatMessage
 from core.fake_model import EOS_TOKEN
 
@@ -34,13 +35,7 @@ class ChatModel:
 
     def tokenize_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
         chat = [{"role": m.role, "content": m.content} for m in messages]
-        encoded = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
-        ids = (
-            encoded["input_ids"]
-            if isinstance(encoded, dict) or hasattr(encoded, "keys")
-            else encoded
-        )
-        return [int(t) for t in ids]
+        return chat_token_ids(self.tokenizer, chat)
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
