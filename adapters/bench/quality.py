@@ -21,8 +21,11 @@ from adapters.engine.model import LoadedModel, load_model
 from adapters.engine.quality import GATE, greedy_agreement, passes, perplexities
 
 
-def one_row_step_ms(loaded: LoadedModel, fmt: str, context: int = 200, steps: int = 30) -> float:
-    """Median one-row decode step with `context` tokens in the cache (random tokens)."""
+def step_and_bytes(
+    loaded: LoadedModel, fmt: str, context: int = 200, steps: int = 30
+) -> tuple[float, int]:
+    """(median one-row decode step in ms with `context` random tokens in the cache,
+    bytes of weights a step reads)."""
     runner = LlamaRunner(loaded.model, 1, context + steps + 1, fmt)
     slot, token = torch.tensor([0]), torch.tensor([17])
     runner.prefill(0, 0, torch.randint(0, runner.vocab_size, (context,)))
@@ -31,7 +34,7 @@ def one_row_step_ms(loaded: LoadedModel, fmt: str, context: int = 200, steps: in
         began = time.perf_counter()
         runner.decode(slot, torch.tensor([context + index]), token)
         times.append(time.perf_counter() - began)
-    return sorted(times)[len(times) // 2] * 1e3
+    return sorted(times)[len(times) // 2] * 1e3, runner.weight_bytes()
 
 
 def main(model_path: str | None, tokens: int, generate: int, threads: int | None) -> int:
@@ -58,11 +61,11 @@ def main(model_path: str | None, tokens: int, generate: int, threads: int | None
             agreed = f"{agreement.matching}/{agreement.total}"
             firsts = " ".join("-" if f is None else str(f) for f in agreement.first_divergence)
         change = scores[fmt] / scores["fp32"] - 1
-        weight_mb = LlamaRunner(loaded.model, 1, 8, fmt).weight_bytes() / 1e6
+        step_ms, weight_bytes = step_and_bytes(loaded, fmt)
         verdict = "pass" if passes(scores, fmt) else "FAIL"
         print(
             f"  {fmt:7} {scores[fmt]:10.3f} {change:+8.2%} {verdict:>5} {agreed:>9}"
-            f" {weight_mb:10.0f} {one_row_step_ms(loaded, fmt):8.1f}  {firsts}"
+            f" {weight_bytes / 1e6:10.0f} {step_ms:8.1f}  {firsts}"
         )
     print(f"  gate: perplexity within {GATE:.0%} of fp32; '-' in a divergence list: identical")
     return 0
