@@ -173,3 +173,15 @@ def test_a_greedy_continuation_on_the_real_model_equals_the_undisturbed_run(
         cont = GenerationRequest("c", prompt, 60, output_prefix=tuple(full[:k]))
         eng = Engine(first_load, BatchLimits(max_seqs=4, max_context=512))
         assert full[:k] + generate(eng, [cont])["c"] == full
+
+
+def test_each_role_reaches_the_real_chat_template_as_itself(first_load: LoadedModel) -> None:
+    from adapters.openai.models import ChatModel
+    from adapters.openai.normalize import ChatMessage
+
+    model = ChatModel("m", first_load.tokenizer, 2048)
+    for role in ("system", "developer", "user", "assistant"):
+        ids = model.tokenize_chat([ChatMessage(role, "Be brief."), ChatMessage("user", "Hi")])
+        text = first_load.tokenizer.decode(ids)
+        assert f"<|im_start|>{role}\nBe brief.<|im_end|>" in text
+        assert text.endswith("<|im_start|>assistant\n")  # ready for the answer

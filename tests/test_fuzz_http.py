@@ -55,24 +55,36 @@ message = st.fixed_dictionaries(
     optional={"role": roles | json_values, "content": content, "name": json_values,
               "tool_calls": json_values},
 )  # fmt: skip
+# Values on both sides of every documented limit (inclusive edges are accepted).
+EDGES: dict[str, st.SearchStrategy[Any]] = {
+    "temperature": st.sampled_from([0, 0.0, -0.0, 2, 2.0, 2.000001, -1e-9, 1e-300]),
+    "top_p": st.sampled_from([0, 0.0, 1e-9, 1, 1.0, 1.000001, -0.0]),
+    "stop": st.sampled_from(
+        [["a", "b", "c", "d"], ["a", "b", "c", "d", "e"], "x" * 256, "x" * 257, "", [], [""]]
+    ),
+    "seed": st.sampled_from([-(2**63), -(2**63) - 1, 2**63 - 1, 2**63, 0]),
+    "response_format": st.sampled_from([{}, {"type": "text"}, {"type": "json_object"}, None]),
+    # around the context: the prompt takes a few dozen tokens of CONTEXT
+    "max_tokens": st.integers(CONTEXT - 60, CONTEXT + 1) | st.sampled_from([0, 1, CONTEXT]),
+}
 FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "model": st.just("fake") | st.sampled_from(["", "gpt-4o", "FAKE"]) | json_values,
     "messages": st.lists(message, min_size=1, max_size=3) | json_values,
-    "max_tokens": numbers,
-    "max_completion_tokens": numbers,
+    "max_tokens": numbers | EDGES["max_tokens"],
+    "max_completion_tokens": numbers | EDGES["max_tokens"],
     "stream": st.booleans() | json_values,
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans() | json_values})
     | json_values,
-    "temperature": st.floats(-1, 3) | json_values,
-    "top_p": st.floats(-0.5, 1.5) | json_values,
-    "stop": odd_text | st.lists(odd_text, max_size=6) | json_values,
-    "seed": numbers,
-    "n": st.sampled_from([1, 2, 0]) | json_values,
+    "temperature": st.floats(-1, 3) | EDGES["temperature"] | json_values,
+    "top_p": st.floats(-0.5, 1.5) | EDGES["top_p"] | json_values,
+    "stop": odd_text | st.lists(odd_text, max_size=6) | EDGES["stop"] | json_values,
+    "seed": numbers | EDGES["seed"],
+    "n": st.sampled_from([1, 2, 0, False, True, -1]) | json_values,
     "tools": json_values,
     "tool_choice": json_values,
-    "logprobs": json_values,
-    "top_logprobs": json_values,
-    "response_format": json_values,
+    "logprobs": st.sampled_from([True, False, 0, 1, None]) | json_values,
+    "top_logprobs": st.sampled_from([0, 1, 20, 21]) | json_values,
+    "response_format": EDGES["response_format"] | json_values,
     "logit_bias": json_values,
     "presence_penalty": json_values,
     "user": json_values,

@@ -97,3 +97,64 @@ def test_the_client_queue_merges_text_when_congested_and_fails_past_the_ceiling(
             await queue.take()
 
     trio.run(main)
+
+
+def _byte_queue(limits: ClientLimits) -> ClientQueue:
+    return ClientQueue(limits, lambda text: f"data: {text}\n\n".encode())
+
+
+def test_congestion_begins_exactly_at_the_high_watermark_and_ends_under_the_low_one() -> None:
+    async def main() -> None:
+        limits = ClientLimits(max_events=1000, high_water_bytes=1000, low_water_bytes=400,
+                              ceiling_bytes=100_000)  # fmt: skip
+        queue = _byte_queue(limits)
+        overhead = len(b"data: \n\n")
+        piece = "x" * (100 - overhead)  # each delta is exactly 100 queued bytes
+        for _ in range(10):
+            queue.put_delta(piece)
+        assert (queue.bytes, len(queue), queue.merged) == (1000, 10, 0)  # below: one event each
+        queue.put_delta(piece)  # the queue now holds the high watermark: merged from here on
+        assert (len(queue), queue.merged, queue.congested) == (10, 1, True)
+        for _ in range(5):
+            queue.put_delta(piece)
+        assert (len(queue), queue.merged) == (10, 6)
+        await queue.take()  # the writer drains it: under the low watermark again
+        queue.put_delta(piece)
+        queue.put_delta(piece)
+        assert (len(queue), queue.merged, queue.congested) == (2, 6, False)
+
+    trio.run(main)
+
+
+def test_congestion_also_begins_near_the_event_limit() -> None:
+    limits = ClientLimits(max_events=20, high_water_bytes=10**6, low_water_bytes=10**5,
+                          ceiling_bytes=10**7)  # fmt: skip
+    queue = _byte_queue(limits)
+    for _ in range(40):
+        queue.put_delta("w")
+    assert len(queue) == limits.max_events - 4  # never more events than the limit allows
+    assert queue.merged == 40 - (limits.max_events - 4)
+
+
+def test_the_ceiling_fails_only_past_it() -> None:
+    limits = ClientLimits(max_events=1000, high_water_bytes=50, low_water_bytes=20,
+                          ceiling_bytes=1000)  # fmt: skip
+    queue = _byte_queue(limits)
+    queue.put_frame(b"x" * 1000)
+    assert queue.failed is None  # exactly at the ceiling
+    queue.put_frame(b"x")
+    assert queue.failed is not None
+
+
+def test_the_documented_client_limits_are_the_ones_in_force() -> None:
+    from adapters.openai.server import HttpLimits
+
+    limits = ClientLimits()
+    assert (limits.max_events, limits.high_water_bytes, limits.low_water_bytes) == (
+        256,
+        64 * 1024,
+        32 * 1024,
+    )
+    assert limits.ceiling_bytes == 1024 * 1024
+    assert HttpLimits().client == limits
+    assert HttpLimits().max_body_bytes == 1024 * 1024

@@ -132,3 +132,66 @@ def test_prompt_plus_budget_beyond_the_context_is_context_length_exceeded() -> N
 def test_a_body_that_is_not_an_object_is_400(body: Any) -> None:
     error = run(body)
     assert isinstance(error, OpenAIError) and error.status == 400
+
+
+# Every documented limit, probed on both sides of its edge (an inclusive edge is accepted).
+EDGES_ACCEPTED: list[dict[str, Any]] = [
+    {"temperature": 0},
+    {"temperature": 2},
+    {"temperature": 2.0},
+    {"top_p": 1},
+    {"top_p": 1e-9},
+    {"stop": ["a", "b", "c", "d"]},  # exactly MAX_STOPS
+    {"stop": "x" * 256},  # exactly MAX_STOP_CHARS
+    {"seed": -(2**63)},
+    {"seed": 2**63 - 1},
+    {"max_tokens": 1},
+    {"max_completion_tokens": 1},
+    {"logprobs": False},
+    {"n": 1},
+    {"response_format": {"type": "text"}},
+    {"presence_penalty": 0},
+    {"frequency_penalty": 0.0},
+]
+EDGES_REFUSED: list[tuple[dict[str, Any], str]] = [
+    ({"temperature": -1e-9}, "temperature"),
+    ({"temperature": 2.000001}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.000001}, "top_p"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),  # one past MAX_STOPS
+    ({"stop": "x" * 257}, "stop"),
+    ({"stop": ""}, "stop"),
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"seed": 2**63}, "seed"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    # refused fields given falsy values are still refused
+    ({"n": 0}, "n"),
+    ({"n": False}, "n"),
+    ({"response_format": {}}, "response_format"),
+    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": 0}, "logprobs"),
+    ({"top_logprobs": 0}, "top_logprobs"),
+    ({"tools": [{}]}, "tools"),
+    ({"presence_penalty": 0.1}, "presence_penalty"),
+]
+
+
+@pytest.mark.parametrize("fields", EDGES_ACCEPTED, ids=lambda f: repr(f)[:40])
+def test_values_exactly_at_an_inclusive_limit_are_accepted(fields: dict[str, Any]) -> None:
+    job = ok(**fields)
+    if "temperature" in fields:
+        assert job.request.sampling.temperature == fields["temperature"]
+    if "stop" in fields:
+        stops = fields["stop"]
+        assert job.stop == ((stops,) if isinstance(stops, str) else tuple(stops))
+    if "seed" in fields:
+        assert job.request.sampling.seed == fields["seed"]
+
+
+@pytest.mark.parametrize(("fields", "param"), EDGES_REFUSED, ids=lambda f: repr(f)[:40])
+def test_values_just_past_a_limit_or_falsy_refusals_are_400_naming_the_field(
+    fields: dict[str, Any], param: str
+) -> None:
+    error = refused(**fields)
+    assert (error.status, error.param) == (400, param)
