@@ -307,3 +307,12 @@ class Fleet:
     def slot_usage(self) -> list[tuple[str, int, int]]:
         """(worker id, slots the router counts as taken, slots) for each known worker."""
         return [(w.worker_id, len(w.holds), w.slots) for w in self.workers.values()]
+
+    def live_holders(self, request_id: str) -> list[str]:
+        """Workers holding a live (wanted) hold for the request."""
+        return [
+            w.worker_id
+            for w in self.workers.values()
+            for record in w.holds.values()
+            if record.request_id == request_id and record.state in LIVE_HOLDS
+        ]

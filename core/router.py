@@ -46,6 +46,7 @@ from msgspec import Struct
 
 from core.fleet import Fleet, WorkerView
 from core.protocol import (
+    Assignment,
     ClientCancel,
     Finished,
     FromWorkerMessage,
@@ -159,3 +160,29 @@ class Router:
     def slot_usage(self) -> list[tuple[str, int, int]]:
         """(worker id, slots the router counts as taken, slots) for each known worker."""
         return self.fleet.slot_usage()
+
+    # --- point reads (cheap enough to ask after every event: the simulator's oracles do) ---
+
+    def placement(self, request_id: str) -> tuple[str, Assignment] | None:
+        """(worker id, assignment) of the request's active attempt, if it has one."""
+        req = self.requests.records.get(request_id)
+        if req is None or req.active is None or req.worker_id is None:
+            return None
+        return req.worker_id, req.active
+
+    def wants(self, worker_id: str, assignment: Assignment) -> bool:
+        """Is this the active attempt of a live request, placed on this worker?"""
+        return self.placement(assignment.request_id) == (worker_id, assignment)
+
+    def worker_clock(self, worker_id: str) -> tuple[int, int, bool] | None:
+        """(epoch, heartbeat sequence, healthy) as the router sees the worker, if known."""
+        worker = self.fleet.workers.get(worker_id)
+        return None if worker is None else (worker.epoch, worker.seq, worker.healthy)
+
+    def attempts_lost(self) -> int:
+        """Attempts let go of and placed again so far (retries plus resumes)."""
+        return self.requests.retries + self.requests.resumes
+
+    def holders(self, request_id: str) -> list[str]:
+        """Workers on which the router counts a live hold (offered, held, missing) for it."""
+        return self.fleet.live_holders(request_id)

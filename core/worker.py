@@ -23,8 +23,10 @@ its Offer is remembered as the answer, so the late Offer is declined.
 
 Decoder output passes the same fence as at the router: a token goes out only
 if it names an active assignment and carries the next index; anything else
-(late output after a cancel, a repeated or skipped index) is dropped and
-counted.
+(late output after a cancel, a repeated index, a token past the budget) is
+dropped and counted. A skipped index is worse than noise: the token at the
+index skipped never reaches anyone, so the assignment is stopped and ends
+as failed rather than finishing short.
 """
 
 from __future__ import annotations
@@ -175,8 +177,13 @@ class Worker:
         active = self._active.get(assignment)
         if active is None:
             self._fenced["late_token"] += 1
-        elif index != len(active.tokens):
-            self._fenced["duplicate" if index < len(active.tokens) else "gap"] += 1
+        elif index < len(active.tokens):
+            self._fenced["duplicate"] += 1  # said again: the client has it already
+        elif index > len(active.tokens):
+            # The decoder skipped an index: that token is lost to the client for good, so
+            # this output can never be completed truthfully. Stop it and report it failed.
+            self._fenced["gap"] += 1
+            self._end(assignment, "failed", E.DECODER_SKIPPED, out)
         elif index >= active.max_new_tokens:
             self._fenced["over_budget"] += 1
         else:  # (active, decoded) -> active: the table's one self-loop, not looked up per token
@@ -257,8 +264,8 @@ class Worker:
         """The one place an active assignment ends and its slot is freed."""
         self._move(assignment, event)
         active = self._active.pop(assignment)
-        if reason == "cancelled":  # otherwise the decoder has already stopped
-            out.append(StopDecode(assignment))
+        if reason == "cancelled" or event is E.DECODER_SKIPPED:
+            out.append(StopDecode(assignment))  # otherwise the decoder has already stopped
         finished = Finished(assignment, reason, len(active.tokens))
         out.append(SendToRouter(finished))
         if reason in ("eos", "length"):

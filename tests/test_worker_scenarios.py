@@ -87,9 +87,24 @@ def test_only_the_next_index_of_an_active_assignment_goes_out() -> None:
     a1 = Assignment("a", 1)
     assert sent(worker.handle(Decoded(a1, 0, 10), 0)) == [Token(a1, 0, 10)]
     assert sent(worker.handle(Decoded(a1, 0, 10), 0)) == []
-    assert sent(worker.handle(Decoded(a1, 2, 12), 0)) == []
     assert sent(worker.handle(Decoded(a1, 1, 11), 0)) == [Token(a1, 1, 11)]
-    assert worker.statistics().fenced == {"duplicate": 1, "gap": 1}
+    assert worker.statistics().fenced == {"duplicate": 1}
+
+
+def test_a_decoder_that_skips_an_index_is_stopped_and_its_output_fails() -> None:
+    """The token at the skipped index can never reach the client: finishing the output
+    (short, as eos or length) would be a lie, so the worker stops it and fails it."""
+    worker = make()
+    offer(worker, "a")
+    a1 = Assignment("a", 1)
+    worker.handle(Decoded(a1, 0, 10), 0)
+    effects = worker.handle(Decoded(a1, 2, 12), 0)
+    assert StopDecode(a1) in effects
+    assert sent(effects) == [Finished(a1, "failed", 1)]
+    assert worker.free_slots == 2
+    assert sent(worker.handle(Decoded(a1, 1, 11), 0)) == []  # late: it has ended
+    assert sent(worker.handle(DecodeDone(a1, "eos"), 0)) == []
+    assert worker.statistics().fenced == {"gap": 1, "late_token": 1, "late_finish": 1}
 
 
 def test_cancel_frees_the_slot_exactly_once_in_any_order() -> None:
