@@ -31,12 +31,14 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import cast
 
+from core.batching import BatchLimits, Running, StepPlan, Waiting, admit, plan_step
 from core.fake_model import FakeDecode, reference_output
 from core.protocol import (
     ArmTimer,
     Assignment,
     ClientCancel,
     ClientFinishReason,
+    Decoded,
     DecodeDone,
     DecoderEvent,
     DecoderFailed,
@@ -44,6 +46,7 @@ from core.protocol import (
     DeliverFinished,
     DeliverToken,
     DisarmTimer,
+    Drain,
     FromRouterMessage,
     FromWorker,
     FromWorkerMessage,
@@ -66,6 +69,11 @@ from core.protocol import (
 from core.router import Router, RouterConfig
 from core.worker import Worker, WorkerConfig
 from sim.clock import Clock
+from sim.oracles import Disturbances, Oracles
+
+# How a misbehaving decoder can go wrong in one step (sim/simulator.py draws one):
+# say a token twice, skip an index, emit a token past the end, or end twice.
+MISBEHAVIOURS = ("repeat", "skip", "overrun", "end_twice")
 
 
 def diverges(request: GenerationRequest) -> bool:
@@ -100,11 +108,15 @@ class ClientStream:
 
 @dataclass(slots=True)
 class Decode:
-    """One assignment running on a fake decoder."""
+    """One assignment on a fake decoder: waiting for a batch slot, prefilling, decoding."""
 
     request: GenerationRequest
     started_at: float
     run: FakeDecode
+    key: int  # its name in core.batching's plans
+    context: int  # prompt plus output prefix: what prefill must compute
+    admitted: bool = False
+    prefilled: int = 0
 
 
 @dataclass(slots=True)
@@ -131,6 +143,7 @@ class Cluster:
         on_send: Callable[[Packet], None] | None = None,
         trace: Callable[[str], None] | None = None,
         clock: Clock | None = None,
+        disturbances: Disturbances | None = None,
     ) -> None:
         self.clock = clock or Clock()
         self.on_send = on_send or self.in_flight_append
@@ -147,10 +160,14 @@ class Cluster:
         self._owner_rank: dict[Owner, int] = {ROUTER: 0}
         self._arms = 0
         self.decoder_failures = 0
+        self.misbehaviours = 0  # decoder steps that went wrong on purpose
         self.in_flight: list[Packet] = []
         self.streams: dict[str, ClientStream] = {}
         self._packet_ids = 0
+        self._decode_keys = 0
+        self._keys: dict[int, Assignment] = {}
         self.violations: list[str] = []
+        self.oracles = Oracles(self, disturbances)
         for worker_id in worker_ids:
             self.start_worker(worker_id, epoch=0)
 
@@ -176,6 +193,13 @@ class Cluster:
         self.decoder_failures += 1
         self.decodes[worker_id] = {}
         self._run_worker(worker_id, DecoderFailed("injected decoder failure"))
+
+    def drain_worker(self, worker_id: str) -> None:
+        """The process is asked to drain: no new work; it exits once idle (the caller's part)."""
+        self._run_worker(worker_id, Drain())
+
+    def idle(self, worker_id: str) -> bool:
+        return not self.workers[worker_id].holds()
 
     def pause_worker(self, worker_id: str) -> None:
         """The process stalls: it handles nothing, its timers wait."""
@@ -211,8 +235,11 @@ class Cluster:
     def submit(self, request: GenerationRequest) -> None:
         salts = range(1, self.max_salt + 1) if diverges(request) else [0]
         references = {salt: reference_output(request, salt) for salt in salts}
-        self.streams[request.request_id] = ClientStream(request, references)
+        stream = self.streams[request.request_id] = ClientStream(request, references)
+        queued = self.router.statistics().queued
         self._run_router(Submit(request))
+        if isinstance(stream.outcome, DeliverError) and stream.outcome.kind == "overloaded":
+            self.oracles.check_overloaded(request.request_id, queued)
 
     def cancel(self, request_id: str) -> None:
         self.streams[request_id].cancel_requested = True
@@ -234,15 +261,75 @@ class Cluster:
         packet = self.in_flight[position]
         self._send(packet.source, packet.to, packet.message)
 
-    def decode_step(self, worker_id: str, assignment: Assignment) -> None:
-        """The fake decoder takes one step of one running assignment."""
+    def decode_step(
+        self, worker_id: str, assignment: Assignment, misbehave: str | None = None
+    ) -> None:
+        """The fake decoder takes one step of one running assignment (and may misbehave)."""
         decodes = self.decodes[worker_id]
         events: list[DecoderEvent] = []
         over = decodes[assignment].run.step(events)
+        if misbehave is not None:
+            self.misbehaviours += 1
+            _misbehave(events, misbehave, decodes[assignment].request.max_new_tokens)
         for event in events:
             if over and isinstance(event, DecodeDone):
                 decodes.pop(assignment, None)
             self._run_worker(worker_id, event)
+
+    def plan_step(self, worker_id: str, limits: BatchLimits) -> StepPlan:
+        """What the worker's next batched step computes: core.batching admits and plans."""
+        decodes = self.decodes[worker_id]
+        waiting = [Waiting(d.key, d.context) for d in decodes.values() if not d.admitted]
+        running = sum(d.admitted for d in decodes.values())
+        admission = admit(waiting, running, limits)
+        for key in admission.admitted:
+            decodes[self._keys[key]].admitted = True
+        for key in admission.rejected:  # can never fit a slot: the decoder fails it
+            assignment = self._keys[key]
+            decodes.pop(assignment, None)
+            self._run_worker(worker_id, DecodeDone(assignment, "failed"))
+        batch = [Running(d.key, d.context, d.prefilled) for d in decodes.values() if d.admitted]
+        plan = plan_step(batch, limits)
+        self._check_plan(worker_id, batch, plan, limits)
+        return plan
+
+    def _check_plan(
+        self, worker_id: str, batch: list[Running], plan: StepPlan, limits: BatchLimits
+    ) -> None:
+        """core.batching's promises: every decoding entry decodes, no chunk exceeds its
+        prompt or the chunk limit, the step stays in its budget, prefill always moves."""
+        decoding = {r.key for r in batch if r.decoding}
+        budget = limits.max_step_tokens if decoding else limits.max_idle_prefill_tokens
+        left = {r.key: r.prompt_tokens - r.prefilled for r in batch if not r.decoding}
+        largest = limits.max_prefill_tokens if decoding else limits.max_idle_prefill_tokens
+        problem = None
+        if set(plan.decode) != decoding:
+            problem = f"decodes {sorted(plan.decode)}, decoding {sorted(decoding)}"
+        elif len(batch) > limits.max_seqs:
+            problem = f"{len(batch)} admitted, {limits.max_seqs} slots"
+        elif any(not 0 < n <= min(left.get(k, 0), largest) for k, n in plan.prefill):
+            problem = f"prefill chunks {plan.prefill} for {left}"
+        elif plan.tokens > budget:
+            problem = f"{plan.tokens} tokens in a step of {budget}"
+        elif left and not plan.prefill:
+            problem = f"nothing prefilled while {left} wait"
+        if problem is not None:
+            self.violations.append(f"{worker_id} batch plan broke its limits: {problem}")
+
+    def run_step(
+        self, worker_id: str, plan: StepPlan, misbehave: Callable[[], str | None] | None = None
+    ) -> None:
+        """Carry out a planned step: prefill chunks land, each decoding entry emits a token.
+        Entries stopped while the step ran are skipped."""
+        decodes = self.decodes[worker_id]
+        for key, tokens in plan.prefill:
+            decode = decodes.get(self._keys[key])
+            if decode is not None:
+                decode.prefilled = min(decode.context, decode.prefilled + tokens)
+        for key in plan.decode:
+            assignment = self._keys[key]
+            if assignment in self.decodes[worker_id]:
+                self.decode_step(worker_id, assignment, misbehave() if misbehave else None)
 
     def running_decodes(self) -> list[tuple[str, Assignment]]:
         return [(w, a) for w, decodes in self.decodes.items() for a in decodes]
@@ -343,15 +430,27 @@ class Cluster:
                 fenced[f"worker.{reason}"] += n
         return fenced
 
+    def error_causes(self) -> Counter[str]:
+        """Error outcomes by kind and cause (the message without its particulars)."""
+        counts: Counter[str] = Counter()
+        for stream in self.streams.values():
+            if isinstance(stream.outcome, DeliverError):
+                started = "after tokens" if stream.tokens else "before tokens"
+                counts[f"{stream.outcome.kind} {started}: {_cause(stream.outcome.message)}"] += 1
+        return counts
+
     def tokens_delivered(self) -> int:
         return sum(len(s.tokens) for s in self.streams.values())
 
     # --- oracles ---
 
     def check_safety(self) -> None:
-        """Raise InvariantViolation if any client saw something the contract forbids."""
+        """Raise InvariantViolation if any client saw something the contract forbids, or
+        an oracle of sim/oracles.py found a fault it cannot explain."""
         if self.violations:
             raise InvariantViolation(self.violations[0])
+        if self.oracles.violations:
+            raise InvariantViolation(self.oracles.violations[0])
         for worker_id, worker in self.workers.items():
             if worker_id in self.down:
                 continue
@@ -362,9 +461,15 @@ class Cluster:
             if decodes and not decodes.keys() <= holds:
                 # Cancelled or ended work must stop at once, not burn a slot's compute.
                 raise InvariantViolation(f"{worker_id} decodes assignments it no longer holds")
-        for worker_id, held, slots in self.router.slot_usage():
-            if held > slots:
+        for worker_id, held, _ in self.router.slot_usage():
+            # Against the worker's own slot count: a draining worker reports none free.
+            if held > self.workers[worker_id].config.slots:
                 raise InvariantViolation(f"router over-committed {worker_id}")
+
+    def check_end(self, fault_kinds: set[str]) -> None:
+        """The checks of a finished run: fence counters the faults cannot explain."""
+        self.oracles.check_fences(self.fenced(), fault_kinds)
+        self.check_safety()
 
     def unfinished(self) -> list[str]:
         return [rid for rid, s in self.streams.items() if s.outcome is None]
@@ -380,11 +485,13 @@ class Cluster:
         self.on_send(Packet(self._packet_ids, source, to, message))
 
     def _run_router(self, event: RouterEvent) -> None:
+        before = self.oracles.before_router(event)
         effects = self.router.handle(event, self.clock.now)
         if self.trace is not None:
             self.trace(f"{self.now:9.4f} router  {_show(event)} -> {_show_all(effects)}")
         for effect in effects:
             self._apply_router_effect(effect)
+        self.oracles.after_router(event, effects, before, self.clock.now)
 
     def _apply_router_effect(self, effect: RouterEffect) -> None:
         match effect:
@@ -450,8 +557,8 @@ class Cluster:
                 return not started  # refused or given up before any output
             case "worker_lost":
                 return started  # before the first token the router must fail over
-            case "failed":
-                return started and self.decoder_failures > 0
+            case "failed":  # a broken decoder, or one that skipped an index
+                return started and (self.decoder_failures > 0 or self.misbehaviours > 0)
         return False
 
     def _run_worker(self, worker_id: str, event: WorkerEvent) -> None:
@@ -462,6 +569,7 @@ class Cluster:
             self.trace(f"{self.now:9.4f} {worker_id:7} {_show(event)} -> {_show_all(effects)}")
         for effect in effects:
             self._apply_worker_effect(worker_id, effect)
+        self.oracles.after_worker(worker_id, event, effects)
 
     def _apply_worker_effect(self, worker_id: str, effect: WorkerEffect) -> None:
         match effect:
@@ -470,7 +578,12 @@ class Cluster:
             case StartDecode(assignment, request):
                 salt = assignment.attempt if diverges(request) else 0
                 run = FakeDecode(assignment, request, salt)
-                self.decodes[worker_id][assignment] = Decode(request, self.clock.now, run)
+                self._decode_keys += 1
+                key = self._decode_keys
+                self._keys[key] = assignment
+                context = len(request.prompt_token_ids) + len(request.output_prefix)
+                decode = Decode(request, self.clock.now, run, key, context)
+                self.decodes[worker_id][assignment] = decode
             case StopDecode(assignment):
                 self.decodes[worker_id].pop(assignment, None)
             case ArmTimer(key, deadline):
@@ -536,3 +649,28 @@ _ABBREVIATIONS = (
     ("request=", ""),
     ("message=", ""),
 )
+
+
+def _cause(message: str) -> str:
+    """An error message with its particulars (ids, counts) taken out, to count by."""
+    return " ".join(w for w in message.split() if not any(c.isdigit() for c in w))
+
+
+def _misbehave(events: list[DecoderEvent], how: str, max_new_tokens: int) -> None:
+    """Turn one step's correct decoder events into a misbehaving decoder's."""
+    first = events[0] if events else None
+    last = events[-1] if events else None
+    match how:
+        case "repeat" if isinstance(first, Decoded):
+            events.insert(1, first)
+        case "skip" if isinstance(first, Decoded):
+            events[0] = Decoded(first.assignment, first.index + 1, first.token_id)
+        case "overrun" if isinstance(last, DecodeDone):
+            # A token past the end: at the budget's index if the budget ended it.
+            end = max_new_tokens if last.reason == "length" else None
+            if end is not None:
+                events.insert(len(events) - 1, Decoded(last.assignment, end, 1))
+            else:
+                events.append(Decoded(last.assignment, max_new_tokens + 1, 1))
+        case "end_twice" if isinstance(last, DecodeDone):
+            events.append(last)

@@ -25,14 +25,17 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from random import Random
 
+from core.batching import BatchLimits, StepPlan
 from core.fake_model import VOCAB
 from core.protocol import GenerationRequest, Sampling
 from core.router import RouterConfig
 from sim.clock import Clock
-from sim.cluster import Cluster, InvariantViolation, Packet
+from sim.cluster import MISBEHAVIOURS, Cluster, InvariantViolation, Packet
+from sim.oracles import Disturbances
 
 FAULT_KINDS = (
     "delay_spread",  # wide per-message delays: heavy reordering
@@ -46,6 +49,10 @@ FAULT_KINDS = (
     "slow",  # some workers decode several times slower
     "decoder_failure",  # a worker's decoder breaks: its assignments fail
     "client_cancel",  # clients cancel or disconnect at random moments
+    # Drawn after the kinds above, so that adding them left those draws as they were:
+    "drain",  # a worker drains, exits once idle, and restarts at a new epoch
+    "decoder_misbehaves",  # for a while a decoder repeats, skips or overruns indices
+    "blackout",  # the router loses every worker at once, both ways, then heals
 )
 
 
@@ -65,6 +72,20 @@ class Scenario:
             offer_timeout_s=0.5, heartbeat_timeout_s=1.0, max_attempts=4, queue_limit=64
         )
     )
+    # Every Nth seed (N-1, 2N-1, ...) runs the long-run shape instead (0: never).
+    long_run_every: int = 0
+
+    def for_seed(self, seed: int) -> Scenario:
+        """The shape this seed runs: this one, or the long run the mix puts in its place."""
+        every = self.long_run_every
+        if every and seed % every == every - 1:
+            return replace(self, **LONG_RUN, long_run_every=0)  # type: ignore[arg-type]
+        return self
+
+
+# The long run: two workers each finishing hundreds of assignments, faults all along,
+# so that bounded tables (a worker keeps its last 256 outputs) overflow.
+LONG_RUN = {"workers": 2, "requests": 700, "arrival_window_s": 100.0, "fault_end_s": 100.0}
 
 
 @dataclass(frozen=True)
@@ -88,6 +109,10 @@ class Swarm:
     step_s: float
     prefill_s_per_token: float
     crash_notice_s: float | None  # the transport reports a crash this much later, or never
+    drains: int
+    misbehaving_decoders: int
+    blackouts: int
+    max_prefill_tokens: int  # the fake decoders' batching limits (core.batching)
 
 
 def draw_swarm(rng: Random, scenario: Scenario) -> Swarm:
@@ -123,6 +148,10 @@ def draw_swarm(rng: Random, scenario: Scenario) -> Swarm:
         prefill_s_per_token=rng.uniform(0.0001, 0.002),
         # Drawn last so that adding it left every earlier draw (and old seeds) as it was.
         crash_notice_s=rng.uniform(0.0, 0.5) if rng.random() < 0.5 else None,
+        drains=count("drain", 2),
+        misbehaving_decoders=count("decoder_misbehaves", 2),
+        blackouts=count("blackout", 1),
+        max_prefill_tokens=rng.choice((4, 16, 128)),
     )
 
 
@@ -138,6 +167,10 @@ class SimResult:
     faults: Counter[str]
     fenced: Counter[str]
     resumes: int = 0  # streams continued on another worker after their first token
+    attempts_lost: int = 0  # attempts the router let go of (each explained by a fault)
+    waste_s: float = 0.0  # assignment-seconds spent on work the router did not want
+    errors: Counter[str] = field(default_factory=Counter)  # error outcomes by cause
+    most_completed: int = 0  # outputs completed by the busiest worker process
     trace_hash: str | None = None
     trace_tail: list[str] = field(default_factory=list)
 
@@ -158,11 +191,12 @@ class Simulation:
         echo: bool = False,
     ) -> None:
         self.seed = seed
-        self.scenario = scenario or Scenario()
+        self.scenario = (scenario or STANDARD).for_seed(seed)
         self.swarm = draw_swarm(Random(f"{seed}/swarm"), self.scenario)
         self._net = Random(f"{seed}/net")
         self._faults_rng = Random(f"{seed}/faults")
         self._clients_rng = Random(f"{seed}/clients")
+        self._decoder_rng = Random(f"{seed}/decoder")
         self.clock = Clock()  # the one clock and event queue: ours and the machines' timers
         self.faults: Counter[str] = Counter()
         self.healed = False
@@ -171,6 +205,29 @@ class Simulation:
         self._decode_pending: dict[str, bool] = {}
         self._generation: dict[str, int] = {}
         self._resume_at: dict[str, float] = {}
+        self._misbehaving_until: dict[str, float] = {}
+        self._limits: dict[str, BatchLimits] = {}
+        self._draining: dict[str, list[float | str]] = {}  # worker -> its open disturbance
+        self._open_crash: dict[str, list[float | str]] = {}
+        router = self.scenario.router
+        self._delay_max_s = self.swarm.delay_max_s
+        # A packet this slow can by itself make the router give up on an attempt (an
+        # offer's round trip past the offer timeout, ...): it counts as a disturbance.
+        self._slow_packet_s = min(router.offer_timeout_s, router.heartbeat_timeout_s) / 2
+        self.disturbances = Disturbances(
+            grace_s=router.heartbeat_timeout_s
+            + router.offer_timeout_s
+            + self.scenario.heartbeat_interval_s
+            + 2 * self._delay_max_s
+        )
+        if "delay_spread" in self.swarm.enabled:
+            self.disturbances.note("delay_spread")
+        # How long a worker may keep an assignment the router does not want, once it and
+        # its link are undisturbed: a heartbeat reports it, the Cancel comes back.
+        self._waste_every_s = 0.05
+        self._waste_bound_s = (
+            self.scenario.heartbeat_interval_s + 2 * self._delay_max_s + self._waste_every_s + 0.01
+        )
         worker_ids = [f"w{i}" for i in range(self.scenario.workers)]
         self._slowness = dict(zip(worker_ids, self.swarm.slowness, strict=True))
         self._hash = hashlib.blake2b(digest_size=16) if trace else None
@@ -184,6 +241,7 @@ class Simulation:
             on_send=self._on_send,
             trace=self._trace if trace else None,
             clock=self.clock,
+            disturbances=self.disturbances,
         )
         self._trace_on = trace
         self._worker_ids = worker_ids
@@ -197,16 +255,27 @@ class Simulation:
         if self._trace_on:
             self._trace(f"seed {self.seed} swarm {sorted(self.swarm.enabled)}")
         for index, worker_id in enumerate(self._worker_ids):
-            self.cluster.start_worker(worker_id, epoch=0, slots=self.swarm.slots[index])
+            slots = self.swarm.slots[index]
+            self.cluster.start_worker(worker_id, epoch=0, slots=slots)
+            chunk = self.swarm.max_prefill_tokens
+            self._limits[worker_id] = BatchLimits(
+                max_seqs=slots,
+                max_context=self.cluster.max_context,
+                max_step_tokens=slots + chunk,
+                max_prefill_tokens=chunk,
+                max_idle_prefill_tokens=2 * chunk,
+            )
             self._decode_pending[worker_id] = False
             self._generation[worker_id] = 0
         violation: str | None = None
         self._liveness_deadline = math.inf  # set when everything heals
         try:
+            oracles = self.cluster.oracles
             while (at := self.clock.next_time()) is not None and at <= self._liveness_deadline:
                 self.clock.run_next()
                 self.events += 1
                 self.cluster.check_safety()
+                oracles.check_waste(self.clock.now, self._waste_bound_s, self._waste_every_s)
                 self._schedule_decoders()
                 if self.healed and self._settled():
                     break
@@ -214,6 +283,8 @@ class Simulation:
                 budget = self._liveness_deadline - self.scenario.fault_end_s
                 violation = f"liveness: not settled {budget:.1f}s after heal: "
                 violation += "; ".join(self.cluster.unsettled_reasons()) or "decoders running"
+            else:
+                self.cluster.check_end(self.disturbances.kinds)
         except InvariantViolation as error:
             violation = f"safety: {error}"
         except Exception as error:  # a machine raised: as much a finding as a bad delivery
@@ -225,16 +296,36 @@ class Simulation:
 
     def _client_cancel(self, request_id: str) -> None:
         if not self.cluster.has_outcome(request_id):
+            self.disturbances.note("client_cancel")
             self.cluster.cancel(request_id)
 
     def _scheduled_restart(self, worker_id: str) -> None:
         if self.cluster.is_down(worker_id):  # the heal may have restarted it already
             self._restart(worker_id)
+            if not self.healed and self._faults_rng.random() < 0.25:
+                # A crash loop: the new process dies too, often before the router hears it.
+                again = self.clock.now + self._faults_rng.uniform(0.0, 0.3)
+                self.clock.schedule(again, self._crash, worker_id)
 
     def _decoder_failure(self, worker_id: str) -> None:
         if not self.healed and self.cluster.alive(worker_id):
             self._fault("decoder_failure", worker_id)
+            self._disturb(worker_id, "decoder_failure", 0.0)
             self.cluster.fail_decoder(worker_id)
+
+    def _decoder_misbehaves(self, worker_id: str, duration_s: float) -> None:
+        if not self.healed and self.cluster.alive(worker_id):
+            self._fault("decoder_misbehaves", f"{worker_id} {duration_s:.2f}s")
+            self._disturb(worker_id, "decoder_misbehaves", duration_s)
+            self._misbehaving_until[worker_id] = self.clock.now + duration_s
+
+    def _misbehaviour(self, worker_id: str) -> str | None:
+        """How this step of a misbehaving decoder goes wrong, if it does."""
+        until = self._misbehaving_until.get(worker_id)
+        if until is None or self.healed or self.clock.now >= until:
+            return None
+        rng = self._decoder_rng
+        return rng.choice(MISBEHAVIOURS) if rng.random() < 0.3 else None
 
     def _settled(self) -> bool:
         cluster = self.cluster
@@ -260,9 +351,10 @@ class Simulation:
             )
             self.clock.schedule(t, self._arrive, request)
             if rng.random() < self.swarm.cancel_rate:
-                self.clock.schedule(
-                    t + rng.uniform(0.0, 3.0), self._client_cancel, request.request_id
-                )
+                # Some clients give up at once (a stop button, a short client timeout),
+                # often while the offer is still on its way; the rest at any moment.
+                after = rng.uniform(0.0, 0.1) if rng.random() < 0.3 else rng.uniform(0.0, 3.0)
+                self.clock.schedule(t + after, self._client_cancel, request.request_id)
 
     # --- network ---
 
@@ -270,28 +362,36 @@ class Simulation:
         rng = self._net
         swarm = self.swarm
         delay = rng.uniform(swarm.delay_min_s, swarm.delay_max_s)
+        worker_id = _worker_of(packet)
+        if delay > self._slow_packet_s:
+            self._disturb(worker_id, "slow_packet", delay)
         if self.healed:
             self.clock.schedule(self.clock.now + delay, self._deliver, packet)
             return
         if rng.random() < swarm.loss_rate:
             self._fault("loss", _brief(packet))
+            self._disturb(worker_id, "loss", 0.0)
             return
         if rng.random() < swarm.late_rate:
             delay += rng.uniform(0.5, 3.0)
             self._fault("late", _brief(packet))
+            self._disturb(worker_id, "late", delay)
         self.clock.schedule(self.clock.now + delay, self._deliver, packet)
         if rng.random() < swarm.duplicate_rate:
             self._fault("duplicate", _brief(packet))
             extra = rng.uniform(swarm.delay_min_s, swarm.delay_max_s * 2)
+            self._disturb(worker_id, "duplicate", extra)
             self.clock.schedule(self.clock.now + extra, self._deliver, packet)
         if self._history and rng.random() < swarm.replay_rate:
             old = self._history[rng.randrange(len(self._history))]
             self._fault("replay", _brief(old))
-            self.clock.schedule(self.clock.now + rng.uniform(0.01, 2.0), self._deliver, old)
+            later = rng.uniform(0.01, 2.0)
+            self._disturb(_worker_of(old), "replay", later)
+            self.clock.schedule(self.clock.now + later, self._deliver, old)
         self._history.append(packet)
 
     def _deliver(self, packet: Packet) -> None:
-        worker_id = packet.source if packet.to is None else packet.to
+        worker_id = _worker_of(packet)
         direction = "from_worker" if packet.to is None else "to_worker"
         if self._cut(worker_id, direction):
             self._fault("partition_drop", _brief(packet))
@@ -310,34 +410,28 @@ class Simulation:
     # --- decoders ---
 
     def _schedule_decoders(self) -> None:
-        cluster = self.cluster
+        """Each worker with work and no step under way plans its next batched step
+        (core.batching) and takes it after the time that step costs."""
+        cluster, swarm = self.cluster, self.swarm
         for worker_id, decodes in cluster.decoders():
             if not decodes or self._decode_pending[worker_id] or not cluster.alive(worker_id):
                 continue
+            plan = cluster.plan_step(worker_id, self._limits[worker_id])
+            if not plan.tokens:
+                continue
             slow = self._slowness[worker_id]
-            ready_at = min(self._ready_at(d.request, d.started_at, slow) for d in decodes.values())
-            if ready_at <= self.clock.now:
-                at = self.clock.now + self.swarm.step_s * slow * (1 + 0.05 * len(decodes))
-            else:
-                at = ready_at
+            step_s = swarm.step_s * (1 + 0.05 * len(plan.decode)) if plan.decode else 0.0
+            prefill_s = swarm.prefill_s_per_token * sum(n for _, n in plan.prefill)
             self._decode_pending[worker_id] = True
-            self.clock.schedule(at, self._decode, worker_id, self._generation[worker_id])
+            at = self.clock.now + (step_s + prefill_s) * slow
+            self.clock.schedule(at, self._decode, worker_id, self._generation[worker_id], plan)
 
-    def _ready_at(self, request: GenerationRequest, started_at: float, slow: float) -> float:
-        return started_at + self.swarm.prefill_s_per_token * len(request.prompt_token_ids) * slow
-
-    def _decode(self, worker_id: str, generation: int) -> None:
+    def _decode(self, worker_id: str, generation: int, plan: StepPlan) -> None:
         if generation != self._generation[worker_id]:
             return  # scheduled for a process that has since crashed
         self._decode_pending[worker_id] = False
-        if not self.cluster.alive(worker_id):
-            return
-        slow = self._slowness[worker_id]
-        decodes = self.cluster.decodes_on(worker_id)
-        for assignment, decode in list(decodes.items()):
-            ready = self._ready_at(decode.request, decode.started_at, slow) <= self.clock.now
-            if ready and assignment in decodes:
-                self.cluster.decode_step(worker_id, assignment)
+        if self.cluster.alive(worker_id):
+            self.cluster.run_step(worker_id, plan, partial(self._misbehaviour, worker_id))
 
     # --- faults ---
 
@@ -358,20 +452,37 @@ class Simulation:
                 rng.uniform(0.5, window), self._decoder_failure, rng.choice(worker_ids)
             )
         self._crash_downtime = [rng.uniform(0.1, 2.0) for _ in range(self.swarm.crashes)]
+        # Drawn after everything above, so that those draws stayed as they were.
+        for _ in range(self.swarm.drains):
+            self.clock.schedule(rng.uniform(0.5, window), self._drain, rng.choice(worker_ids))
+        for _ in range(self.swarm.misbehaving_decoders):
+            at, worker_id = rng.uniform(0.5, window), rng.choice(worker_ids)
+            self.clock.schedule(at, self._decoder_misbehaves, worker_id, rng.uniform(0.2, 2.0))
+        for _ in range(self.swarm.blackouts):
+            self.clock.schedule(rng.uniform(0.5, window), self._blackout, rng.uniform(0.3, 2.0))
 
     def _crash(self, worker_id: str) -> None:
         if self.healed or self.cluster.is_down(worker_id):
             return
         self._fault("crash", worker_id)
-        self.cluster.crash_worker(worker_id)
-        self._generation[worker_id] += 1
-        self._decode_pending[worker_id] = False
         downtime = self._crash_downtime.pop() if self._crash_downtime else 1.0
+        self._open_crash[worker_id] = self._disturb(worker_id, "crash", downtime)
+        self._stop_process(worker_id)
         notice = self.swarm.crash_notice_s
         if notice is not None and notice < downtime:
             epoch = self.cluster.epoch(worker_id)
             self.clock.schedule(self.clock.now + notice, self._crash_notice, worker_id, epoch)
         self.clock.schedule(self.clock.now + downtime, self._scheduled_restart, worker_id)
+
+    def _stop_process(self, worker_id: str) -> None:
+        """The worker's process ends (a crash, or a drained worker exiting)."""
+        self.cluster.crash_worker(worker_id)
+        self._generation[worker_id] += 1
+        self._decode_pending[worker_id] = False
+        self._misbehaving_until.pop(worker_id, None)
+        drain = self._draining.pop(worker_id, None)
+        if drain is not None:
+            self.disturbances.close(worker_id, drain, self.clock.now)
 
     def _crash_notice(self, worker_id: str, epoch: int) -> None:
         """The connection of the crashed process is seen to close (a TCP reset)."""
@@ -383,11 +494,39 @@ class Simulation:
         self._generation[worker_id] += 1
         self._decode_pending[worker_id] = False
         self.cluster.restart_worker(worker_id)
+        crash = self._open_crash.pop(worker_id, None)
+        if crash is not None:  # the heal may restart it before its drawn downtime is over
+            self.disturbances.close(worker_id, crash, self.clock.now)
+
+    def _drain(self, worker_id: str) -> None:
+        """Drain (a rolling restart): no new work; the process exits once idle, the
+        transport sees its connection close, and a new epoch starts a moment later."""
+        if self.healed or not self.cluster.alive(worker_id) or worker_id in self._draining:
+            return
+        self._fault("drain", worker_id)
+        self._draining[worker_id] = self._disturb(worker_id, "drain", math.inf)
+        self.cluster.drain_worker(worker_id)
+        self._drain_check(worker_id, self._generation[worker_id])
+
+    def _drain_check(self, worker_id: str, generation: int) -> None:
+        if generation != self._generation[worker_id]:
+            return  # the process crashed meanwhile; its successor is not draining
+        if not self.cluster.alive(worker_id) or not self.cluster.idle(worker_id):
+            self.clock.schedule(self.clock.now + 0.05, self._drain_check, worker_id, generation)
+            return
+        self._trace_note(f"drained {worker_id} exits")
+        epoch = self.cluster.epoch(worker_id)
+        downtime = self._faults_rng.uniform(0.05, 0.5)
+        self._open_crash[worker_id] = self._disturb(worker_id, "drain", downtime)
+        self._stop_process(worker_id)
+        self.cluster.worker_gone(worker_id, epoch)  # a clean exit closes the connection
+        self.clock.schedule(self.clock.now + downtime, self._scheduled_restart, worker_id)
 
     def _stall(self, worker_id: str, duration_s: float) -> None:
         if self.healed or not self.cluster.alive(worker_id):
             return
         self._fault("stall", worker_id)
+        self._disturb(worker_id, "stall", duration_s)
         self.cluster.pause_worker(worker_id)
         self._resume_at[worker_id] = self.clock.now + duration_s
         self.clock.schedule(self.clock.now + duration_s, self._resume, worker_id)
@@ -401,7 +540,17 @@ class Simulation:
         if self.healed:
             return
         self._fault("partition", f"{worker_id} {direction} {duration_s:.2f}s")
+        self._disturb(worker_id, "partition", duration_s)
         self._partitions.append((worker_id, direction, self.clock.now + duration_s))
+
+    def _blackout(self, duration_s: float) -> None:
+        """The router's own link fails: every worker is cut off, both ways, at once."""
+        if self.healed:
+            return
+        self._fault("blackout", f"{duration_s:.2f}s")
+        for worker_id in self._worker_ids:
+            self._disturb(worker_id, "blackout", duration_s)
+            self._partitions.append((worker_id, "both", self.clock.now + duration_s))
 
     def _heal(self) -> None:
         self.healed = True
@@ -424,6 +573,10 @@ class Simulation:
             remaining_s += request.max_new_tokens * step_s
             remaining_s += len(request.prompt_token_ids) * prefill_s
         return self.scenario.liveness_budget_s + remaining_s
+
+    def _disturb(self, worker_id: str, kind: str, duration_s: float) -> list[float | str]:
+        now = self.clock.now
+        return self.disturbances.add(worker_id, kind, now, now + duration_s)
 
     def _fault(self, kind: str, detail: str) -> None:
         self.faults[kind] += 1
@@ -456,14 +609,25 @@ class Simulation:
             faults=self.faults,
             fenced=cluster.fenced(),
             resumes=cluster.router.statistics().resumes,
+            attempts_lost=cluster.oracles.attempts_lost,
+            waste_s=cluster.oracles.waste_s,
+            errors=cluster.error_causes(),
+            most_completed=max(cluster.oracles.completions.values(), default=0),
             trace_hash=self._hash.hexdigest() if self._hash is not None else None,
             trace_tail=list(self._tail),
         )
 
 
+def _worker_of(packet: Packet) -> str:
+    return packet.source if packet.to is None else packet.to
+
+
 def _brief(packet: Packet) -> str:
     to = packet.to or "router"
     return f"{packet.source}->{to} {type(packet.message).__name__}"
+
+
+STANDARD = Scenario(long_run_every=40)  # the standard sweep: the default shape, long runs mixed in
 
 
 def run_seed(

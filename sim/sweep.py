@@ -13,7 +13,8 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from sim.simulator import Scenario, SimResult, Simulation
+from sim.coverage import Coverage
+from sim.simulator import STANDARD, Scenario, SimResult, Simulation
 
 
 @dataclass
@@ -26,8 +27,13 @@ class SweepSummary:
     faults: Counter[str] = field(default_factory=Counter)
     fenced: Counter[str] = field(default_factory=Counter)
     resumes: int = 0
+    attempts_lost: int = 0
+    waste_s: float = 0.0
+    errors: Counter[str] = field(default_factory=Counter)
+    most_completed: int = 0
     determinism_checked: int = 0
     failure: SimResult | None = None
+    coverage: Coverage = field(default_factory=Coverage)
 
     def add(self, result: SimResult) -> None:
         self.runs += 1
@@ -38,16 +44,17 @@ class SweepSummary:
         self.faults.update(result.faults)
         self.fenced.update(result.fenced)
         self.resumes += result.resumes
+        self.attempts_lost += result.attempts_lost
+        self.waste_s += result.waste_s
+        self.errors.update(result.errors)
+        self.most_completed = max(self.most_completed, result.most_completed)
 
 
 def replay_command(seed: int, scenario: Scenario | None = None) -> str:
     """The one-line command that reruns a seed with its trace printed."""
     command = f"fencepost sim --seed {seed} --trace"
-    default = Scenario()
-    if scenario is not None and scenario.workers != default.workers:
-        command += f" --workers {scenario.workers}"
-    if scenario is not None and scenario.requests != default.requests:
-        command += f" --requests {scenario.requests}"
+    if scenario is not None and scenario != STANDARD:
+        command += f" --workers {scenario.workers} --requests {scenario.requests}"
     return command
 
 
@@ -66,7 +73,11 @@ def sweep(
     """Run the seeds; yields the running summary after each seed (for progress)."""
     summary = SweepSummary()
     for seed in range(start, start + count):
-        result = Simulation(seed, scenario).run()
+        summary.coverage.attach()
+        try:
+            result = Simulation(seed, scenario).run()
+        finally:
+            summary.coverage.detach()
         if result.ok and (seed - start) % determinism_every == 0:
             summary.determinism_checked += 1
             problem = check_determinism(seed, scenario)

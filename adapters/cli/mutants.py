@@ -119,9 +119,94 @@ MUTANTS = (
     Mutant(
         "worker keeps decoding after a cancel",
         "core/worker.py",
-        '        if reason == "cancelled":  # otherwise the decoder has already stopped\n'
-        "            out.append(StopDecode(assignment))\n",
-        '        if reason == "never":\n            out.append(StopDecode(assignment))\n',
+        'if reason == "cancelled" or event is E.DECODER_SKIPPED:',
+        "if event is E.DECODER_SKIPPED:",
+    ),
+    # The second set: bugs that cost availability or waste rather than a wrong token,
+    # which only the simulator's explained-outcome, limit, view and waste oracles see.
+    Mutant(
+        "worker starts a continuation's index at 0",
+        "core/worker.py",
+        "        prefix = list(offer.request.output_prefix)\n",
+        "        prefix: list[int] = []\n",
+    ),
+    Mutant(
+        "router asks a Resend one index too far",
+        "core/requests.py",
+        "Resend(req.active, req.delivered)",
+        "Resend(req.active, req.delivered + 1)",
+    ),
+    Mutant(
+        "router offers to workers it holds unhealthy",
+        "core/fleet.py",
+        "if w.healthy and w.max_context >= context_tokens]",
+        "if w.max_context >= context_tokens]",
+    ),
+    Mutant(
+        "router arms the offer timer at an absolute time",
+        "core/requests.py",
+        "ArmTimer(OfferTimer(assignment), self.now + self.config.offer_timeout_s)",
+        "ArmTimer(OfferTimer(assignment), self.config.offer_timeout_s)",
+    ),
+    Mutant(
+        "router retries one attempt past max_attempts",
+        "core/requests.py",
+        "        if req.attempt >= self.config.max_attempts:\n",
+        "        if req.attempt > self.config.max_attempts:\n",
+    ),
+    Mutant(
+        "router resumes one time past max_resumes",
+        "core/requests.py",
+        'if kind == "failed" or req.resumes >= self.config.max_resumes:',
+        'if kind == "failed" or req.resumes > self.config.max_resumes:',
+    ),
+    Mutant(
+        "router accepts an older epoch's heartbeat",
+        "core/fleet.py",
+        "            or beat.epoch < self.epoch\n",
+        "",
+    ),
+    Mutant(
+        "router places a dropped attempt again before releasing it",
+        "core/requests.py",
+        "        req = self.records[request_id]\n        self._release(req, out)\n"
+        '        self._attempt_lost(req, "worker_lost", "worker dropped the assignment", out)\n',
+        "        req = self.records[request_id]\n"
+        '        self._attempt_lost(req, "worker_lost", "worker dropped the assignment", out)\n',
+    ),
+    Mutant(
+        "router does not cancel a late accept",
+        "core/fleet.py",
+        '                self._fenced["orphan"] += 1\n'
+        "                out.append(SendToWorker(worker_id, Cancel(assignment)))\n",
+        '                self._fenced["orphan"] += 1\n',
+    ),
+    Mutant(
+        "router leaves orphans its heartbeats list running",
+        "core/fleet.py",
+        '                if state is None:\n                    self._fenced["orphan"] += 1\n'
+        "                out.append(SendToWorker(worker.worker_id, Cancel(assignment)))\n",
+        '                if state is None:\n                    self._fenced["orphan"] += 1\n'
+        "                else:\n"
+        "                    out.append(SendToWorker(worker.worker_id, Cancel(assignment)))\n",
+    ),
+    Mutant(
+        "worker evicts its newest retained output",
+        "core/worker.py",
+        "                self._retained.popitem(last=False)\n",
+        "                self._retained.popitem(last=True)\n",
+    ),
+    Mutant(
+        "worker lets a decoder that skipped an index go on",
+        "core/worker.py",
+        '            self._end(assignment, "failed", E.DECODER_SKIPPED, out)\n',
+        "",
+    ),
+    Mutant(
+        "batching forgets the decodes' share of a step",
+        "core/batching.py",
+        "budget, largest = limits.max_step_tokens - len(decode), limits.max_prefill_tokens",
+        "budget, largest = limits.max_step_tokens, limits.max_prefill_tokens",
     ),
 )
 

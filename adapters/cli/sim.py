@@ -30,6 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=positive, default=None)
     parser.add_argument("--requests", type=positive, default=None)
     parser.add_argument(
+        "--coverage",
+        action="store_true",
+        help="after a sweep, list every move of every machine table with its count",
+    )
+    parser.add_argument(
         "--determinism-every",
         type=positive,
         default=50,
@@ -38,14 +43,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.simulator import Scenario
+    from sim.simulator import STANDARD, Scenario
 
-    scenario = Scenario(
-        workers=args.workers or Scenario.workers, requests=args.requests or Scenario.requests
-    )
+    scenario = STANDARD  # the default shape with long runs mixed in
+    if args.workers or args.requests:  # a shape of its own: no long runs
+        scenario = Scenario(
+            workers=args.workers or Scenario.workers, requests=args.requests or Scenario.requests
+        )
     if args.seed is not None:
         return run_one(args.seed, scenario, args.trace)
-    return run_sweep(args.start, args.seeds, scenario, args.determinism_every)
+    return run_sweep(args.start, args.seeds, scenario, args.determinism_every, args.coverage)
 
 
 def run_one(seed: int, scenario: Scenario, trace: bool) -> int:
@@ -62,7 +69,10 @@ def run_one(seed: int, scenario: Scenario, trace: bool) -> int:
     return 0
 
 
-def run_sweep(start: int, count: int, scenario: Scenario, determinism_every: int) -> int:
+def run_sweep(
+    start: int, count: int, scenario: Scenario, determinism_every: int, coverage: bool = False
+) -> int:
+    from sim.simulator import LONG_RUN
     from sim.sweep import SweepSummary, sweep
 
     print(f"root seeds {start}..{start + count - 1} ({count} runs)")
@@ -70,12 +80,20 @@ def run_sweep(start: int, count: int, scenario: Scenario, determinism_every: int
         f"scenario: {scenario.workers} workers, {scenario.requests} requests of about "
         f"{scenario.mean_new_tokens} tokens, faults until t={scenario.fault_end_s}s"
     )
+    if scenario.long_run_every:
+        print(
+            f"  every {scenario.long_run_every}th seed a long run instead: "
+            f"{LONG_RUN['workers']} workers, {LONG_RUN['requests']} requests over "
+            f"{LONG_RUN['arrival_window_s']:.0f}s, faults until t={LONG_RUN['fault_end_s']:.0f}s"
+        )
     began = time.perf_counter()
     summary = SweepSummary()
     for progress in sweep(start, count, scenario, determinism_every):
         summary = progress
     elapsed = time.perf_counter() - began
     _print_summary(summary, elapsed)
+    if coverage:
+        _print_coverage(summary)
     if summary.failure is not None:
         _print_failure(summary.failure, scenario, show_tail=True)
         return 1
@@ -107,10 +125,27 @@ def _print_summary(summary: SweepSummary, elapsed_s: float) -> None:
     print(f"events {summary.events}")
     print(f"outcomes: {_counts(summary.outcomes)}")
     print(f"streams resumed after their first token: {summary.resumes}")
+    print(f"attempts given up and explained by a fault on their worker: {summary.attempts_lost}")
+    print(f"errors by cause: {_counts(summary.errors)}")
     print(f"faults injected by kind: {_counts(summary.faults)}")
     print(f"messages fenced by kind: {_counts(summary.fenced)}")
+    print(f"work the router no longer wanted, kept by workers: {summary.waste_s:.1f} slot-s")
+    print(f"most outputs completed by one worker process: {summary.most_completed}")
+    never = summary.coverage.never_taken()
+    print(f"machine moves taken: {summary.coverage.summary()}")
+    print(f"moves never taken: {', '.join('/'.join(m) for m in never) or 'none'}")
     print(f"determinism: {summary.determinism_checked} seeds ran twice, trace hashes compared")
     print(f"seeds per second: {rate:.1f} ({rate * 60:.0f} per minute, one core)")
+
+
+def _print_coverage(summary: SweepSummary) -> None:
+    from sim.coverage import UNREACHABLE
+
+    print("coverage (table: state --event--> next: times taken):")
+    for table, state, event, nxt, n in summary.coverage.rows():
+        why = UNREACHABLE.get((table, state, event))
+        note = f"  (unreachable: {why})" if why else ""
+        print(f"  {table}: {state} --{event}--> {nxt}: {n}{note}")
 
 
 def _print_failure(result: SimResult, scenario: Scenario, show_tail: bool) -> None:

@@ -1,0 +1,460 @@
+"""Oracles beyond each client's stream: explained outcomes, limits, the router's view, waste.
+
+The stream oracles in sim/cluster.py judge what a client saw. A bug that only
+costs availability passes them: a stream that ends `worker_lost` or a
+request retried on another worker looks like the contract's allowed
+behaviour under faults. The oracles here close that gap.
+
+- Explained losses. The simulator records every disturbance it causes, per
+  worker, as an interval (Disturbances): a crash until the restart, a stall,
+  a partition, a drain until the process exits, a decoder failure or a
+  misbehaving decoder, and each packet to or from the worker that was lost,
+  held back, duplicated, replayed or delayed past half the shortest router
+  timeout. Every attempt the router gives up on (a retry, a resume, the
+  attempt behind a final `no_worker`, `worker_lost` or `failed`) must have a
+  disturbance of its own worker that overlaps its life, widened by a grace
+  period for the consequences to surface (timeouts, heartbeats). A run with
+  no fault may retry nothing. A request refused because no worker fits needs
+  every worker disturbed (or not yet heard from); `failed` needs a decoder
+  fault on that worker; `overloaded` needs a full queue.
+- Limits and placement, after every offer: attempts before the first token
+  at most `max_attempts`, continuations after it at most `max_resumes`; the
+  target is healthy in the router's view at the epoch the offer names; and
+  no other worker holds a live hold for the same request (never placed
+  twice at once).
+- The router's view never moves back: each worker's (epoch, heartbeat
+  sequence) only grows.
+- Unwanted work is cancelled. A fresh heartbeat or an accepted offer that
+  names an assignment the router does not want is answered with a Cancel in
+  the same step; and no worker keeps such an assignment longer than a
+  heartbeat interval plus two network delays, counted from the last
+  disturbance of that worker. The time spent on unwanted assignments is
+  reported as waste.
+- Resend is answered: a Resend for an assignment a worker is running gets
+  the tokens it asks for, and one for an assignment it completed among its
+  last `retained_outputs` gets the Finished again.
+- Fence counters that only a bug can move stay zero: each fence reason is
+  listed with the fault kinds (or events) that can cause it; at the end of
+  a run a reason counted without any of them is a violation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from core.protocol import (
+    Assignment,
+    Cancel,
+    DeliverError,
+    DeliverFinished,
+    Finished,
+    FromRouterMessage,
+    FromWorkerMessage,
+    Heartbeat,
+    Offer,
+    OfferResult,
+    Resend,
+    RouterEffect,
+    RouterEvent,
+    SendToRouter,
+    SendToWorker,
+    Token,
+    TokenRun,
+    WorkerEffect,
+    WorkerEvent,
+)
+
+if TYPE_CHECKING:
+    from sim.cluster import Cluster
+
+DECODER_FAULTS = frozenset({"decoder_failure", "decoder_misbehaves"})
+
+# Which fault kinds (or run events: "attempt_lost", "resend") can move each fence
+# counter. A counter above zero in a run that had none of them is a bug; an empty
+# set means only a bug can move it. Counters not listed (router.late,
+# router.duplicate_result) also move in a run without faults. REORDERING: the faults
+# that deliver a message after later ones, or twice.
+REORDERING = frozenset({"late", "delay_spread", "duplicate", "replay"})
+FENCE_CAUSES: dict[str, frozenset[str]] = {
+    "router.wrong_worker": frozenset(),
+    "router.over_budget": frozenset(),
+    "router.stale_attempt": frozenset({"attempt_lost"}),
+    "router.duplicate": frozenset({"duplicate", "replay", "resend"}),
+    "router.gap": frozenset({"loss", "late", "partition", "blackout", "delay_spread"}),
+    "router.stale_heartbeat": REORDERING | {"crash", "drain"},
+    "router.orphan": REORDERING | {"attempt_lost", "client_cancel"},
+    "worker.late_token": frozenset({"decoder_misbehaves"}),
+    "worker.duplicate": frozenset({"decoder_misbehaves"}),
+    "worker.gap": frozenset({"decoder_misbehaves"}),
+    "worker.over_budget": frozenset({"decoder_misbehaves"}),
+    "worker.late_finish": frozenset({"decoder_misbehaves"}),
+    # A Resend crossing the end of an output it cannot keep (cancelled, failed, a lost
+    # process); one for a completed output is judged exactly, by _check_resend.
+    "worker.resend_unknown": DECODER_FAULTS | {"crash", "drain", "client_cancel", "attempt_lost"},
+    "worker.duplicate_offer": REORDERING,
+    "worker.late_cancel": REORDERING | {"attempt_lost", "client_cancel"},
+}
+
+
+class Disturbances:
+    """Every disturbance the run caused, per worker, as [start, end] intervals.
+
+    An interval may be opened before its end is known (a drain lasts until the
+    process exits); `close` sets the end. `grace_s` is how long after an
+    interval its consequences may still surface.
+    """
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.kinds: set[str] = set()  # every kind that struck anywhere in the run
+        self._intervals: dict[str, list[list[float | str]]] = {}
+        self._quiet_after: dict[str, float] = {}  # latest end of an interval begun so far
+
+    def add(self, worker_id: str, kind: str, start: float, end: float) -> list[float | str]:
+        interval: list[float | str] = [start, end, kind]
+        self._intervals.setdefault(worker_id, []).append(interval)
+        self.kinds.add(kind)
+        self._quiet_after[worker_id] = max(self._quiet_after.get(worker_id, -math.inf), end)
+        return interval
+
+    def close(self, worker_id: str, interval: list[float | str], end: float) -> None:
+        interval[1] = end
+        ends = (float(i[1]) for i in self._intervals[worker_id])
+        self._quiet_after[worker_id] = max(ends, default=-math.inf)
+
+    def note(self, kind: str) -> None:
+        """A kind that struck the whole network rather than one worker (delay spread)."""
+        self.kinds.add(kind)
+
+    def explains(
+        self, worker_id: str, since: float, until: float, kinds: Iterable[str] | None = None
+    ) -> bool:
+        """Did a disturbance of this worker (of these kinds) overlap [since, until]?"""
+        wanted = None if kinds is None else frozenset(kinds)
+        for start, end, kind in self._intervals.get(worker_id, ()):
+            if wanted is not None and kind not in wanted:
+                continue
+            if float(start) <= until and float(end) + self.grace_s >= since:
+                return True
+        return False
+
+    def quiet_since(self, worker_id: str) -> float:
+        """When the worker's last disturbance so far ended (-inf: never disturbed)."""
+        return self._quiet_after.get(worker_id, -math.inf)
+
+
+@dataclass(slots=True)
+class _Attempt:
+    assignment: Assignment
+    worker_id: str
+    offered_at: float
+    open: bool = True
+
+
+@dataclass(slots=True)
+class _Tally:
+    """Per request: the attempts offered, split by whether the client had tokens."""
+
+    attempts: list[_Attempt] = field(default_factory=list)
+    before_first_token: int = 0
+    resumes: int = 0
+
+
+class Oracles:
+    """The checks above, fed by the cluster as it executes the machines' effects."""
+
+    def __init__(self, cluster: Cluster, disturbances: Disturbances | None) -> None:
+        self.cluster = cluster
+        self.router = cluster.router
+        self.config = cluster.router.config
+        self.disturbances = disturbances
+        self.violations: list[str] = []
+        self.attempts_lost = 0
+        self.waste_s = 0.0  # assignment-seconds workers held work the router did not want
+        self._tallies: dict[str, _Tally] = {}
+        self._views: dict[str, tuple[int, int]] = {}
+        self._lost_mark = 0
+        self._unwanted: dict[tuple[str, int, Assignment], float] = {}
+        self._last_waste_check = 0.0
+        self._sent: dict[tuple[str, int, Assignment], int] = {}  # tokens a worker sent
+        self._completed: dict[tuple[str, int], deque[Assignment]] = {}
+        self.completions: Counter[tuple[str, int]] = Counter()  # per (worker, epoch)
+
+    def _violation(self, text: str) -> None:
+        self.violations.append(text)
+
+    # --- router side ---
+
+    def before_router(self, event: RouterEvent) -> tuple[int, int, bool] | None:
+        if isinstance(event, FromWorkerMessage) and isinstance(event.message, Heartbeat):
+            return self.router.worker_clock(event.worker_id)
+        return None
+
+    def after_router(
+        self,
+        event: RouterEvent,
+        effects: list[RouterEffect],
+        before: tuple[int, int, bool] | None,
+        now: float,
+    ) -> None:
+        for effect in effects:
+            match effect:
+                case SendToWorker(worker_id, Offer() as offer):
+                    self._on_offer(worker_id, offer, now)
+                case DeliverFinished(request_id) | DeliverError(request_id):
+                    self._on_outcome(request_id, effect, now)
+        if isinstance(event, FromWorkerMessage):
+            self._check_answered(event, effects, before)
+        self._check_views()
+        mark = self.router.attempts_lost()
+        if mark != self._lost_mark:
+            self._lost_mark = mark
+            self._find_lost_attempts(now)
+
+    def _on_offer(self, worker_id: str, offer: Offer, now: float) -> None:
+        rid = offer.assignment.request_id
+        config = self.config
+        clock = self.router.worker_clock(worker_id)
+        if clock is None or not clock[2] or clock[0] != offer.epoch:
+            self._violation(
+                f"{rid}: offered to {worker_id} at epoch {offer.epoch}, which the router "
+                f"sees as {clock} (epoch, sequence, healthy)"
+            )
+        tally = self._tallies.setdefault(rid, _Tally())
+        if tally.attempts and tally.attempts[-1].open:
+            self._lose(rid, tally.attempts[-1], now)
+        tally.attempts.append(_Attempt(offer.assignment, worker_id, now))
+        if self.cluster.streams[rid].tokens:
+            tally.resumes += 1
+            if tally.resumes > config.max_resumes:
+                self._violation(f"{rid}: resume {tally.resumes} > max_resumes {config.max_resumes}")
+        else:
+            tally.before_first_token += 1
+            if tally.before_first_token > config.max_attempts:
+                self._violation(
+                    f"{rid}: attempt {tally.before_first_token} before the first token "
+                    f"> max_attempts {config.max_attempts}"
+                )
+        holders = self.router.holders(rid)
+        if holders != [worker_id]:
+            self._violation(f"{rid}: placed on {holders} at once (offer to {worker_id})")
+
+    def _on_outcome(
+        self, request_id: str, outcome: DeliverFinished | DeliverError, now: float
+    ) -> None:
+        tally = self._tallies.pop(request_id, None)
+        last = tally.attempts[-1] if tally and tally.attempts else None
+        kind = outcome.kind if isinstance(outcome, DeliverError) else "finished"
+        if kind in ("finished", "cancelled"):
+            return
+        if kind == "overloaded":
+            return  # judged at submit, where the queue's length is known
+        if last is not None and last.open:
+            self._lose(request_id, last, now)
+        if kind == "failed" and self.disturbances is not None:
+            if last is None or not self.disturbances.explains(
+                last.worker_id, last.offered_at, now, DECODER_FAULTS
+            ):
+                where = last.worker_id if last else "no worker"
+                self._violation(f"{request_id}: failed on {where} without a decoder fault there")
+            return
+        assert tally is not None or last is None
+        spent = tally is not None and (
+            tally.resumes >= self.config.max_resumes
+            if self.cluster.streams[request_id].tokens
+            else tally.before_first_token >= self.config.max_attempts
+        )
+        if not spent:
+            self._check_none_fit(request_id, kind, now)
+
+    def _check_none_fit(self, request_id: str, kind: str, now: float) -> None:
+        """Given up with attempts left: allowed only if no worker could take it."""
+        if self.disturbances is None:
+            return
+        for worker_id in self.cluster.workers:
+            known = self.router.worker_clock(worker_id) is not None
+            if known and not self.disturbances.explains(worker_id, now, now):
+                self._violation(
+                    f"{request_id}: {kind} with attempts left while {worker_id} was "
+                    "undisturbed and known to the router"
+                )
+                return
+
+    def check_overloaded(self, request_id: str, queued_before: int) -> None:
+        if queued_before < self.config.queue_limit:
+            self._violation(
+                f"{request_id}: overloaded with {queued_before} queued, under the "
+                f"queue limit {self.config.queue_limit}"
+            )
+
+    def _find_lost_attempts(self, now: float) -> None:
+        """The router counted a retry or resume: find the attempts it let go of."""
+        for rid, tally in self._tallies.items():
+            last = tally.attempts[-1] if tally.attempts else None
+            if (
+                last is not None
+                and last.open
+                and self.router.placement(rid) != (last.worker_id, last.assignment)
+            ):
+                self._lose(rid, last, now)
+
+    def _lose(self, request_id: str, attempt: _Attempt, now: float) -> None:
+        attempt.open = False
+        self.attempts_lost += 1
+        disturbances = self.disturbances
+        if disturbances is not None and not disturbances.explains(
+            attempt.worker_id, attempt.offered_at, now
+        ):
+            self._violation(
+                f"{request_id}: attempt {attempt.assignment.attempt} on {attempt.worker_id} "
+                f"(offered at {attempt.offered_at:.4f}) lost at {now:.4f}, and no fault "
+                f"touched {attempt.worker_id} to explain it"
+            )
+
+    def _check_answered(
+        self,
+        event: FromWorkerMessage,
+        effects: list[RouterEffect],
+        before: tuple[int, int, bool] | None,
+    ) -> None:
+        """A report of an unwanted assignment is answered with Cancel at once."""
+        worker_id, message = event.worker_id, event.message
+        named: tuple[Assignment, ...] = ()
+        if isinstance(message, OfferResult) and message.accepted:
+            named = (message.assignment,)
+        elif isinstance(message, Heartbeat):
+            after = self.router.worker_clock(worker_id)
+            if (
+                after is not None
+                and after[:2] == (message.epoch, message.seq)
+                and (before is None or before[:2] != after[:2])
+            ):
+                named = message.active  # a fresh heartbeat, reconciled in this step
+        for assignment in named:
+            if self.router.wants(worker_id, assignment):
+                continue
+            cancelled = any(
+                isinstance(e, SendToWorker)
+                and e.worker_id == worker_id
+                and isinstance(e.message, Cancel)
+                and e.message.assignment == assignment
+                for e in effects
+            )
+            if not cancelled:
+                self._violation(
+                    f"{worker_id} reported {assignment} ({type(message).__name__}), which "
+                    "the router does not want, and got no Cancel"
+                )
+
+    def _check_views(self) -> None:
+        for worker_id in self.cluster.workers:
+            clock = self.router.worker_clock(worker_id)
+            if clock is None:
+                continue
+            seen = self._views.get(worker_id)
+            if seen is not None and clock[:2] < seen:
+                self._violation(
+                    f"router's view of {worker_id} went back from (epoch, seq) {seen} "
+                    f"to {clock[:2]}"
+                )
+            self._views[worker_id] = clock[:2]
+
+    # --- worker side ---
+
+    def after_worker(self, worker_id: str, event: WorkerEvent, effects: list[WorkerEffect]) -> None:
+        epoch = self.cluster.epoch(worker_id)
+        for effect in effects:
+            if not isinstance(effect, SendToRouter):
+                continue
+            match effect.message:
+                case Token(assignment, index):
+                    key = (worker_id, epoch, assignment)
+                    self._sent[key] = max(self._sent.get(key, 0), index + 1)
+                case Finished(assignment, reason) if reason in ("eos", "length"):
+                    retained = self.cluster.workers[worker_id].config.retained_outputs
+                    done = self._completed.setdefault((worker_id, epoch), deque(maxlen=retained))
+                    if assignment not in done:
+                        done.append(assignment)
+                        self.completions[worker_id, epoch] += 1
+                    self._sent.pop((worker_id, epoch, assignment), None)
+                case Finished(assignment):
+                    self._sent.pop((worker_id, epoch, assignment), None)
+        if isinstance(event, FromRouterMessage) and isinstance(event.message, Resend):
+            self._check_resend(worker_id, epoch, event.message, effects)
+
+    def _check_resend(
+        self, worker_id: str, epoch: int, resend: Resend, effects: list[WorkerEffect]
+    ) -> None:
+        assignment = resend.assignment
+        answers = [
+            e.message
+            for e in effects
+            if isinstance(e, SendToRouter)
+            and isinstance(e.message, TokenRun | Finished)
+            and e.message.assignment == assignment
+        ]
+        sent = self._sent.get((worker_id, epoch, assignment))
+        if assignment in self.cluster.workers[worker_id].holds():
+            if sent is not None and resend.from_index < sent:
+                runs = [a for a in answers if isinstance(a, TokenRun)]
+                if not runs or runs[0].start_index != resend.from_index:
+                    self._violation(
+                        f"{worker_id} asked to resend {assignment} from {resend.from_index} "
+                        f"of {sent} sent, answered {answers}"
+                    )
+        elif assignment in self._completed.get((worker_id, epoch), ()) and not any(
+            isinstance(a, Finished) for a in answers
+        ):
+            self._violation(
+                f"{worker_id} completed {assignment} recently but answered a Resend "
+                f"for it with {answers}"
+            )
+
+    # --- time ---
+
+    def check_waste(self, now: float, bound_s: float, every_s: float) -> None:
+        """No worker keeps an unwanted assignment past the bound once undisturbed."""
+        if now - self._last_waste_check < every_s or self.disturbances is None:
+            return
+        step = now - self._last_waste_check
+        self._last_waste_check = now
+        cluster, router = self.cluster, self.router
+        unwanted: dict[tuple[str, int, Assignment], float] = {}
+        for worker_id, worker in cluster.workers.items():
+            if not cluster.alive(worker_id):
+                continue
+            epoch = worker.config.epoch
+            for assignment in worker.holds():
+                if router.wants(worker_id, assignment):
+                    continue
+                key = (worker_id, epoch, assignment)
+                since = unwanted[key] = self._unwanted.get(key, now)
+                self.waste_s += step if key in self._unwanted else 0.0
+                held = now - max(since, self.disturbances.quiet_since(worker_id))
+                if held > bound_s:
+                    self._violation(
+                        f"{worker_id} kept {assignment}, which the router does not want, "
+                        f"{held:.3f}s past its last disturbance (bound {bound_s:.3f}s)"
+                    )
+        self._unwanted = unwanted
+
+    # --- the end of a run ---
+
+    def check_fences(self, fenced: Counter[str], kinds: set[str]) -> None:
+        """Fence counters that moved with none of their causes in the run."""
+        causes = set(kinds)
+        if self.attempts_lost:
+            causes.add("attempt_lost")
+        if self.router.statistics().resends_requested:
+            causes.add("resend")
+        for reason, count in sorted(fenced.items()):
+            allowed = FENCE_CAUSES.get(reason)
+            if count and allowed is not None and not allowed & causes:
+                need = ", ".join(sorted(allowed)) or "nothing: only a bug"
+                self._violation(
+                    f"fence {reason} counted {count} in a run without its causes ({need})"
+                )

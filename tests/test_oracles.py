@@ -1,0 +1,51 @@
+"""The simulator's oracles beyond the stream: they judge what they should, and only that."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from sim.cluster import Cluster
+from sim.oracles import FENCE_CAUSES, Disturbances
+from sim.simulator import FAULT_KINDS
+
+
+def test_a_disturbance_explains_losses_during_it_and_for_a_grace_period_after() -> None:
+    seen = Disturbances(grace_s=1.0)
+    seen.add("w0", "stall", 5.0, 6.0)
+    assert seen.explains("w0", since=4.0, until=5.5)  # the attempt lived through it
+    assert seen.explains("w0", since=6.5, until=8.0)  # offered just after: consequences
+    assert not seen.explains("w0", since=7.5, until=9.0)  # offered after the grace
+    assert not seen.explains("w0", since=1.0, until=4.9)  # lost before it began
+    assert not seen.explains("w1", since=0.0, until=10.0)  # another worker's fault
+    assert not seen.explains("w0", 4.0, 5.5, kinds={"decoder_failure"})
+
+
+def test_an_open_disturbance_lasts_until_it_is_closed() -> None:
+    seen = Disturbances(grace_s=0.5)
+    drain = seen.add("w0", "drain", 2.0, math.inf)
+    assert seen.quiet_since("w0") == math.inf
+    assert seen.explains("w0", 100.0, 101.0)
+    seen.close("w0", drain, 3.0)
+    assert seen.quiet_since("w0") == 3.0
+    assert not seen.explains("w0", 100.0, 101.0)
+    assert seen.quiet_since("w1") == -math.inf
+
+
+def test_fence_counters_need_one_of_their_causes() -> None:
+    cluster = Cluster(["w0"], disturbances=Disturbances(grace_s=1.0))
+    oracles = cluster.oracles
+    oracles.check_fences(Counter({"router.late": 3, "router.duplicate_result": 1}), set())
+    assert oracles.violations == []  # these move without any fault
+    oracles.check_fences(Counter({"router.gap": 2}), {"loss"})
+    assert oracles.violations == []
+    oracles.check_fences(Counter({"router.gap": 2}), {"crash"})
+    assert "router.gap" in oracles.violations[0]
+    oracles.check_fences(Counter({"router.over_budget": 1}), set(FAULT_KINDS))
+    assert "only a bug" in oracles.violations[1]
+
+
+def test_every_cause_named_is_a_fault_the_simulator_injects_or_a_run_event() -> None:
+    known = set(FAULT_KINDS) | {"attempt_lost", "resend"}
+    for reason, causes in FENCE_CAUSES.items():
+        assert causes <= known, (reason, causes - known)
