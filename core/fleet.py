@@ -85,6 +85,7 @@ class WorkerRecord:
     health: Health = Health.HEALTHY
     timer_deadline: float | None = None  # the liveness timer as armed, if it is
     gone_epoch: int = -1  # the transport lost this epoch: it may not come back
+    stuck_until: float = 0.0  # while stuck: when a heartbeat may give it another chance
     holds: dict[Assignment, HoldRecord] = field(default_factory=dict)
 
     @property
@@ -105,6 +106,7 @@ class Fleet:
         self.config = config
         self.workers: dict[str, WorkerRecord] = {}
         self.requests: RequestSide | None = None  # set by the Router that owns both
+        self.stuck: set[str] = set()  # workers in Health.STUCK (checked per token: cheap)
         self.now = 0.0  # the `now` of the event being handled; never read from a clock
         self._fenced = fenced
 
@@ -128,12 +130,14 @@ class Fleet:
             worker.epoch = beat.epoch
             self._lose_holds(worker, f"worker {worker_id} restarted", out)
             event = HealthEvent.NEW_EPOCH
+        elif worker.health is Health.STUCK and self.now >= worker.stuck_until:
+            event = HealthEvent.PROBE_DUE
         worker.seq = beat.seq
         worker.slots = beat.slots
         worker.free_slots = beat.free_slots
         worker.max_context = beat.max_context
         worker.expires_at = self.now + self.config.heartbeat_timeout_s
-        worker.health = HEALTH.next(worker.health, event)
+        self._move_health(worker, event)
         if worker.timer_deadline is None:
             self._arm_liveness(worker, out)
         self._reconcile(worker, beat, out)
@@ -147,8 +151,8 @@ class Fleet:
             self._arm_liveness(worker, out)  # heartbeats moved the deadline on
             return
         was = worker.health
-        worker.health = HEALTH.next(was, HealthEvent.DEADLINE_MISSED)
-        if was is Health.HEALTHY:
+        self._move_health(worker, HealthEvent.DEADLINE_MISSED)
+        if was in (Health.HEALTHY, Health.STUCK):
             self._lose_holds(worker, f"worker {worker_id} stopped heartbeating", out)
 
     def on_worker_gone(
@@ -158,7 +162,7 @@ class Fleet:
         if worker is None or epoch < worker.epoch or epoch <= worker.gone_epoch:
             return  # never registered, or an older connection than the one we know
         worker.gone_epoch = epoch
-        worker.health = HEALTH.next(worker.health, HealthEvent.CONNECTION_LOST)
+        self._move_health(worker, HealthEvent.CONNECTION_LOST)
         self._lose_holds(worker, f"worker {worker_id} disconnected: {reason}", out)
 
     def settle_unwanted(
@@ -203,6 +207,24 @@ class Fleet:
                 requests.resend(record.request_id, out)
             else:
                 requests.dropped(record.request_id, out)
+
+    def progress_missed(self, worker_id: str) -> None:
+        """An assignment on the worker missed its progress deadline: no offers for now."""
+        worker = self.workers.get(worker_id)
+        if worker is not None and worker.health in (Health.HEALTHY, Health.STUCK):
+            self._move_health(worker, HealthEvent.PROGRESS_MISSED)
+            worker.stuck_until = self.now + self.config.stuck_probe_s
+
+    def progressed(self, worker_id: str) -> None:
+        """A token from a stuck worker: its decoder runs again (callers check `stuck`)."""
+        self._move_health(self.workers[worker_id], HealthEvent.PROGRESS)
+
+    def _move_health(self, worker: WorkerRecord, event: HealthEvent) -> None:
+        worker.health = HEALTH.next(worker.health, event)
+        if worker.health is Health.STUCK:
+            self.stuck.add(worker.worker_id)
+        else:
+            self.stuck.discard(worker.worker_id)
 
     def _arm_liveness(self, worker: WorkerRecord, out: list[RouterEffect]) -> None:
         worker.timer_deadline = worker.expires_at

@@ -182,11 +182,17 @@ class LivenessTimer(Struct, frozen=True):
     worker_id: str
 
 
+class ProgressTimer(Struct, frozen=True):
+    """An accepted attempt's progress deadline: its first token, then each next one."""
+
+    assignment: Assignment
+
+
 class HeartbeatTimer(Struct, frozen=True):
     pass
 
 
-TimerKey = OfferTimer | LivenessTimer | HeartbeatTimer
+TimerKey = OfferTimer | LivenessTimer | ProgressTimer | HeartbeatTimer
 
 
 class TimerFired(Struct, frozen=True):

@@ -39,6 +39,7 @@ from core.protocol import (
     Offer,
     OfferResult,
     OfferTimer,
+    ProgressTimer,
     Resend,
     RouterEffect,
     SendToWorker,
@@ -65,6 +66,7 @@ class RequestRecord:
     tried: set[str] = field(default_factory=set)
     finish: Finished | None = None  # a finish that arrived before all its tokens
     resend_at: float | None = None  # when the last Resend for it was sent
+    progress_by: float | None = None  # the accepted attempt's next token is due by then
 
     @property
     def delivered(self) -> int:
@@ -183,6 +185,26 @@ class Requests:
         # A request cancelled while offered keeps its hold until the offer expires.
         self.fleet.expire_draining_offer(assignment)
 
+    def on_progress_timeout(self, assignment: Assignment, out: list[RouterEffect]) -> None:
+        """An accepted attempt's deadline: if it made no progress, fail it over."""
+        req = self.records.get(assignment.request_id)
+        if req is None or req.active != assignment or req.progress_by is None:
+            return  # over already (its timer is disarmed then; this one was in flight)
+        if self.now < req.progress_by:  # tokens came meanwhile: wait for the next one
+            out.append(ArmTimer(ProgressTimer(assignment), req.progress_by))
+            return
+        worker_id = req.worker_id
+        assert worker_id is not None
+        # Its decoder is hung or hopelessly slow. Stop it; its slot stays counted
+        # (draining) until the worker lets go, and the worker gets no offers for now.
+        out.append(SendToWorker(worker_id, Cancel(assignment)))
+        self.fleet.unwanted(worker_id, assignment)
+        self.fleet.progress_missed(worker_id)
+        req.progress_by = None
+        what = "its first token" if not req.tokens else f"token {req.delivered}"
+        message = f"worker {worker_id} made no progress ({what} overdue)"
+        self._attempt_lost(req, "worker_lost", message, out)
+
     def _fence(self, worker_id: str, assignment: Assignment) -> RequestRecord | None:
         """The request this worker message may act on, or None (counted) if fenced."""
         req = self.records.get(assignment.request_id)
@@ -216,11 +238,19 @@ class Requests:
         """Deliver the next token (the caller has checked it is the next one)."""
         if req.phase is P.OFFERED:
             self._accept(req, out)
+        first = req.phase is P.ASSIGNED  # this attempt's first token
         req.phase = REQUEST.next(req.phase, E.TOKEN)
         index = len(req.tokens)
         out.append(DeliverToken(req.request.request_id, index, token_id))
         req.tokens.append(token_id)
         self.tokens_delivered += 1
+        req.progress_by = self.now + self.config.token_timeout_s
+        if first and req.active is not None:
+            # From now on the (usually shorter) per-token deadline; later tokens only
+            # move progress_by, and the timer re-arms itself when it fires early.
+            out.append(ArmTimer(ProgressTimer(req.active), req.progress_by))
+        if self.fleet.stuck and req.worker_id in self.fleet.stuck:
+            self.fleet.progressed(req.worker_id)
         finish = req.finish
         if finish is not None and index + 1 == finish.completion_tokens:
             self._complete(req, finish, out)
@@ -302,6 +332,7 @@ class Requests:
         """The active attempt is over (its hold already released): place it again or give up."""
         failed_worker = req.worker_id
         req.phase = REQUEST.next(req.phase, E.ATTEMPT_LOST)
+        self._stop_progress_timer(req, out)
         req.active = None
         req.worker_id = None
         req.finish = None
@@ -362,6 +393,17 @@ class Requests:
         req.phase = REQUEST.next(req.phase, E.ACCEPTED)
         out.append(DisarmTimer(OfferTimer(req.active)))
         self.fleet.confirm(req.worker_id, req.active)
+        # The first token's deadline: prefill of everything before it, then one step.
+        config = self.config
+        context = len(req.request.prompt_token_ids) + req.delivered
+        budget = config.first_token_timeout_s + context * config.prefill_timeout_per_token_s
+        req.progress_by = self.now + budget
+        out.append(ArmTimer(ProgressTimer(req.active), req.progress_by))
+
+    def _stop_progress_timer(self, req: RequestRecord, out: list[RouterEffect]) -> None:
+        if req.progress_by is not None and req.active is not None:
+            out.append(DisarmTimer(ProgressTimer(req.active)))
+        req.progress_by = None
 
     def _complete(self, req: RequestRecord, finished: Finished, out: list[RouterEffect]) -> None:
         assert finished.reason in ("eos", "length")
@@ -384,6 +426,7 @@ class Requests:
         out: list[RouterEffect],
     ) -> None:
         req.phase = REQUEST.next(req.phase, event)
+        self._stop_progress_timer(req, out)
         del self.records[req.request.request_id]
         kind = outcome.reason if isinstance(outcome, DeliverFinished) else outcome.kind
         self.outcomes[kind] += 1

@@ -54,6 +54,7 @@ from core.protocol import (
     LivenessTimer,
     OfferResult,
     OfferTimer,
+    ProgressTimer,
     RouterEffect,
     RouterEvent,
     Submit,
@@ -87,6 +88,16 @@ class RouterConfig(Struct, frozen=True):
     max_attempts: int = 3
     queue_limit: int = 256
     max_resumes: int = 2  # continuations after the first token; 0 = never resume
+    # Progress deadlines of an accepted attempt (a decoder can hang while its worker
+    # heartbeats): its first token within first_token_timeout_s plus
+    # prefill_timeout_per_token_s per context token (prompt and output prefix), each
+    # next token within token_timeout_s. A miss fails the attempt over (or resumes it)
+    # and marks the worker stuck: no offers until it shows progress, or for
+    # stuck_probe_s, after which it may try again.
+    first_token_timeout_s: float = 20.0
+    prefill_timeout_per_token_s: float = 0.05
+    token_timeout_s: float = 10.0
+    stuck_probe_s: float = 30.0
 
 
 class RouterStatistics(Struct, frozen=True):
@@ -133,6 +144,8 @@ class Router:
                 requests.on_client_cancel(request_id, out)
             case TimerFired(OfferTimer(assignment)):
                 requests.on_offer_timeout(assignment, out)
+            case TimerFired(ProgressTimer(assignment)):
+                requests.on_progress_timeout(assignment, out)
             case TimerFired(LivenessTimer(worker_id)):
                 fleet.on_liveness_timer(worker_id, out)
             case WorkerGone(worker_id, epoch, reason):

@@ -18,8 +18,9 @@ Four machines:
 - slot hold (router, one per (worker, assignment) the router counts against
   a worker's slots): offered -> held -> missing, or draining once the router
   no longer wants it, until released.
-- worker health (router, one per worker): healthy, silent (its heartbeats
-  stopped), gone (the transport lost its connection).
+- worker health (router, one per worker): healthy, stuck (it heartbeats but
+  its assignments stopped making progress), silent (its heartbeats stopped),
+  gone (the transport lost its connection).
 - assignment (worker, one per assignment it has seen): unseen -> active ->
   ended, or unseen -> declined.
 
@@ -190,6 +191,7 @@ LIVE_HOLDS = frozenset({H.OFFERED, H.HELD, H.MISSING})  # the router still wants
 
 class Health(enum.StrEnum):
     HEALTHY = "healthy"
+    STUCK = "stuck"  # heartbeats, but an assignment missed its progress deadline: no offers
     SILENT = "silent"  # no heartbeat before its deadline
     GONE = "gone"  # the transport lost this epoch's connection; only a newer epoch returns
 
@@ -199,6 +201,9 @@ class HealthEvent(enum.StrEnum):
     NEW_EPOCH = "new_epoch"  # a heartbeat of a newer epoch: the process restarted
     DEADLINE_MISSED = "deadline_missed"  # the liveness timer fired past the deadline
     CONNECTION_LOST = "connection_lost"  # WorkerGone for the current or a newer epoch
+    PROGRESS_MISSED = "progress_missed"  # an assignment on it missed its progress deadline
+    PROGRESS = "progress"  # a stuck worker's assignment delivered a token
+    PROBE_DUE = "probe_due"  # a heartbeat of a worker stuck for `stuck_probe_s`: try it again
 
 
 W, WE = Health, HealthEvent
@@ -209,6 +214,14 @@ HEALTH = Table[Health, HealthEvent](
         (W.HEALTHY, WE.NEW_EPOCH): W.HEALTHY,
         (W.HEALTHY, WE.DEADLINE_MISSED): W.SILENT,
         (W.HEALTHY, WE.CONNECTION_LOST): W.GONE,
+        (W.HEALTHY, WE.PROGRESS_MISSED): W.STUCK,
+        (W.STUCK, WE.HEARTBEAT): W.STUCK,  # a heartbeat is not progress
+        (W.STUCK, WE.PROGRESS_MISSED): W.STUCK,
+        (W.STUCK, WE.PROGRESS): W.HEALTHY,
+        (W.STUCK, WE.PROBE_DUE): W.HEALTHY,  # one more chance; a miss makes it stuck again
+        (W.STUCK, WE.NEW_EPOCH): W.HEALTHY,  # restarted: a new process, a new decoder
+        (W.STUCK, WE.DEADLINE_MISSED): W.SILENT,
+        (W.STUCK, WE.CONNECTION_LOST): W.GONE,
         (W.SILENT, WE.HEARTBEAT): W.HEALTHY,  # a stall ended
         (W.SILENT, WE.NEW_EPOCH): W.HEALTHY,
         (W.SILENT, WE.DEADLINE_MISSED): W.SILENT,

@@ -51,6 +51,7 @@ from core.protocol import (
     Cancel,
     DeliverError,
     DeliverFinished,
+    DeliverToken,
     Finished,
     FromRouterMessage,
     FromWorkerMessage,
@@ -77,8 +78,9 @@ DECODER_FAULTS = frozenset({"decoder_failure", "decoder_misbehaves"})
 # counter. A counter above zero in a run that had none of them is a bug; an empty
 # set means only a bug can move it. Counters not listed (router.late,
 # router.duplicate_result) also move in a run without faults. REORDERING: the faults
-# that deliver a message after later ones, or twice.
-REORDERING = frozenset({"late", "delay_spread", "duplicate", "replay"})
+# that deliver a message after later ones, or twice (a stalled worker's inbox is
+# delivered when it resumes, and a heal that ends the stall early can reorder it).
+REORDERING = frozenset({"late", "delay_spread", "duplicate", "replay", "stall"})
 FENCE_CAUSES: dict[str, frozenset[str]] = {
     "router.wrong_worker": frozenset(),
     "router.over_budget": frozenset(),
@@ -152,7 +154,10 @@ class _Attempt:
     assignment: Assignment
     worker_id: str
     offered_at: float
+    context: int  # prompt plus output prefix: what its first token waits for
     open: bool = True
+    progress_at: float = 0.0  # the offer, then each token it delivered
+    streaming: bool = False  # delivered a token
 
 
 @dataclass(slots=True)
@@ -180,6 +185,7 @@ class Oracles:
         self._lost_mark = 0
         self._unwanted: dict[tuple[str, int, Assignment], float] = {}
         self._last_waste_check = 0.0
+        self._last_progress_check = 0.0
         self._sent: dict[tuple[str, int, Assignment], int] = {}  # tokens a worker sent
         self._completed: dict[tuple[str, int], deque[Assignment]] = {}
         self.completions: Counter[tuple[str, int]] = Counter()  # per (worker, epoch)
@@ -205,6 +211,11 @@ class Oracles:
             match effect:
                 case SendToWorker(worker_id, Offer() as offer):
                     self._on_offer(worker_id, offer, now)
+                case DeliverToken(request_id):
+                    tally = self._tallies.get(request_id)
+                    if tally is not None and tally.attempts:
+                        attempt = tally.attempts[-1]
+                        attempt.progress_at, attempt.streaming = now, True
                 case DeliverFinished(request_id) | DeliverError(request_id):
                     self._on_outcome(request_id, effect, now)
         if isinstance(event, FromWorkerMessage):
@@ -227,7 +238,8 @@ class Oracles:
         tally = self._tallies.setdefault(rid, _Tally())
         if tally.attempts and tally.attempts[-1].open:
             self._lose(rid, tally.attempts[-1], now)
-        tally.attempts.append(_Attempt(offer.assignment, worker_id, now))
+        context = len(offer.request.prompt_token_ids) + len(offer.request.output_prefix)
+        tally.attempts.append(_Attempt(offer.assignment, worker_id, now, context, progress_at=now))
         if self.cluster.streams[rid].tokens:
             tally.resumes += 1
             if tally.resumes > config.max_resumes:
@@ -441,6 +453,30 @@ class Oracles:
                         f"{held:.3f}s past its last disturbance (bound {bound_s:.3f}s)"
                     )
         self._unwanted = unwanted
+
+    def check_progress(self, now: float, slack_s: float) -> None:
+        """No placed request waits longer than its progress deadline plus the slack
+        (during the faults too): the router gives up on a worker that stopped."""
+        if now - self._last_progress_check < 0.05:
+            return
+        self._last_progress_check = now
+        config = self.config
+        for rid, tally in self._tallies.items():
+            attempt = tally.attempts[-1] if tally.attempts else None
+            if attempt is None or not attempt.open:
+                continue
+            if attempt.streaming:
+                deadline = config.token_timeout_s
+            else:
+                per_token = config.prefill_timeout_per_token_s
+                deadline = config.first_token_timeout_s + attempt.context * per_token
+            waited = now - attempt.progress_at
+            if waited > deadline + slack_s:
+                self._violation(
+                    f"{rid}: attempt {attempt.assignment.attempt} on {attempt.worker_id} "
+                    f"made no progress for {waited:.2f}s (deadline {deadline:.2f}s + "
+                    f"{slack_s:.2f}s), and the router still waits"
+                )
 
     # --- the end of a run ---
 

@@ -53,7 +53,11 @@ FAULT_KINDS = (
     "drain",  # a worker drains, exits once idle, and restarts at a new epoch
     "decoder_misbehaves",  # for a while a decoder repeats, skips or overruns indices
     "blackout",  # the router loses every worker at once, both ways, then heals
+    "decoder_hang",  # a decoder stops producing while its worker heartbeats on
 )
+
+
+MAX_EVENTS = 2_000_000  # a long run takes about 60,000
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,17 @@ class Scenario:
     heartbeat_interval_s: float = 0.25
     router: RouterConfig = field(
         default_factory=lambda: RouterConfig(
-            offer_timeout_s=0.5, heartbeat_timeout_s=1.0, max_attempts=4, queue_limit=64
+            offer_timeout_s=0.5,
+            heartbeat_timeout_s=1.0,
+            max_attempts=4,
+            queue_limit=64,
+            # Above the slowest healthy simulated worker: 8x slow, 4 decodes and a
+            # prefill chunk of 99 tokens in one step take about 1.9 s; prefill in
+            # chunks of 4 behind three other prompts, about 0.35 s per token.
+            first_token_timeout_s=3.0,
+            prefill_timeout_per_token_s=0.5,
+            token_timeout_s=3.0,
+            stuck_probe_s=2.0,
         )
     )
     # Every Nth seed (N-1, 2N-1, ...) runs the long-run shape instead (0: never).
@@ -112,6 +126,7 @@ class Swarm:
     drains: int
     misbehaving_decoders: int
     blackouts: int
+    hangs: int
     max_prefill_tokens: int  # the fake decoders' batching limits (core.batching)
 
 
@@ -152,6 +167,7 @@ def draw_swarm(rng: Random, scenario: Scenario) -> Swarm:
         misbehaving_decoders=count("decoder_misbehaves", 2),
         blackouts=count("blackout", 1),
         max_prefill_tokens=rng.choice((4, 16, 128)),
+        hangs=count("decoder_hang", 2),
     )
 
 
@@ -206,6 +222,8 @@ class Simulation:
         self._generation: dict[str, int] = {}
         self._resume_at: dict[str, float] = {}
         self._misbehaving_until: dict[str, float] = {}
+        self._hung_until: dict[str, float] = {}
+        self._hangs: dict[str, list[float | str]] = {}  # worker -> its open disturbance
         self._limits: dict[str, BatchLimits] = {}
         self._draining: dict[str, list[float | str]] = {}  # worker -> its open disturbance
         self._open_crash: dict[str, list[float | str]] = {}
@@ -225,6 +243,15 @@ class Simulation:
         # How long a worker may keep an assignment the router does not want, once it and
         # its link are undisturbed: a heartbeat reports it, the Cancel comes back.
         self._waste_every_s = 0.05
+        # A placed request whose worker stopped producing must be given up within its
+        # progress deadline plus this (an offer's timeout, a heartbeat's expiry, delays).
+        self._progress_slack_s = (
+            router.offer_timeout_s
+            + router.heartbeat_timeout_s
+            + router.resend_interval_s
+            + 2 * self._delay_max_s
+            + self._waste_every_s
+        )
         self._waste_bound_s = (
             self.scenario.heartbeat_interval_s + 2 * self._delay_max_s + self._waste_every_s + 0.01
         )
@@ -274,8 +301,11 @@ class Simulation:
             while (at := self.clock.next_time()) is not None and at <= self._liveness_deadline:
                 self.clock.run_next()
                 self.events += 1
+                if self.events > MAX_EVENTS:  # a livelock (a timer re-armed in the past...)
+                    raise InvariantViolation(f"more than {MAX_EVENTS} events: a livelock")
                 self.cluster.check_safety()
                 oracles.check_waste(self.clock.now, self._waste_bound_s, self._waste_every_s)
+                oracles.check_progress(self.clock.now, self._progress_slack_s)
                 self._schedule_decoders()
                 if self.healed and self._settled():
                     break
@@ -318,6 +348,29 @@ class Simulation:
             self._fault("decoder_misbehaves", f"{worker_id} {duration_s:.2f}s")
             self._disturb(worker_id, "decoder_misbehaves", duration_s)
             self._misbehaving_until[worker_id] = self.clock.now + duration_s
+
+    def _decoder_hang(self, worker_id: str, duration_s: float) -> None:
+        """The decoder's forward pass stops returning; the worker machine and its
+        heartbeats go on, listing assignments that make no progress."""
+        if self.healed or not self.cluster.alive(worker_id) or worker_id in self._hung_until:
+            return
+        self._fault("decoder_hang", f"{worker_id} {duration_s:.2f}s")
+        until = self.clock.now + duration_s
+        self._hung_until[worker_id] = until
+        self._hangs[worker_id] = self._disturb(worker_id, "decoder_hang", duration_s)
+        if until < math.inf:
+            self.clock.schedule(until, self._decoder_unhang, worker_id, until)
+        elif self._faults_rng.random() < 0.5:  # a supervisor kills and restarts it at once
+            rng = self._faults_rng
+            at, downtime = self.clock.now + rng.uniform(2.0, 6.0), rng.uniform(0.05, 0.3)
+            self.clock.schedule(at, self._crash, worker_id, downtime)
+
+    def _decoder_unhang(self, worker_id: str, until: float) -> None:
+        if self._hung_until.get(worker_id) == until:
+            del self._hung_until[worker_id]
+            hang = self._hangs.pop(worker_id)
+            self.disturbances.close(worker_id, hang, self.clock.now)
+            self._trace_note(f"decoder of {worker_id} runs again")
 
     def _misbehaviour(self, worker_id: str) -> str | None:
         """How this step of a misbehaving decoder goes wrong, if it does."""
@@ -416,6 +469,8 @@ class Simulation:
         for worker_id, decodes in cluster.decoders():
             if not decodes or self._decode_pending[worker_id] or not cluster.alive(worker_id):
                 continue
+            if self._hung_until and self.clock.now < self._hung_until.get(worker_id, 0.0):
+                continue  # hung: no step, no token; its worker heartbeats on
             plan = cluster.plan_step(worker_id, self._limits[worker_id])
             if not plan.tokens:
                 continue
@@ -460,12 +515,18 @@ class Simulation:
             self.clock.schedule(at, self._decoder_misbehaves, worker_id, rng.uniform(0.2, 2.0))
         for _ in range(self.swarm.blackouts):
             self.clock.schedule(rng.uniform(0.5, window), self._blackout, rng.uniform(0.3, 2.0))
+        for _ in range(self.swarm.hangs):
+            at, worker_id = rng.uniform(0.5, window), rng.choice(worker_ids)
+            # for a while, or until everything heals (as good as forever for the run)
+            lasts = math.inf if rng.random() < 0.25 else rng.uniform(1.0, 8.0)
+            self.clock.schedule(at, self._decoder_hang, worker_id, lasts)
 
-    def _crash(self, worker_id: str) -> None:
+    def _crash(self, worker_id: str, downtime: float | None = None) -> None:
         if self.healed or self.cluster.is_down(worker_id):
             return
         self._fault("crash", worker_id)
-        downtime = self._crash_downtime.pop() if self._crash_downtime else 1.0
+        if downtime is None:
+            downtime = self._crash_downtime.pop() if self._crash_downtime else 1.0
         self._open_crash[worker_id] = self._disturb(worker_id, "crash", downtime)
         self._stop_process(worker_id)
         notice = self.swarm.crash_notice_s
@@ -480,6 +541,9 @@ class Simulation:
         self._generation[worker_id] += 1
         self._decode_pending[worker_id] = False
         self._misbehaving_until.pop(worker_id, None)
+        until = self._hung_until.get(worker_id)
+        if until is not None:  # the process is gone; its successor's decoder is fresh
+            self._decoder_unhang(worker_id, until)
         drain = self._draining.pop(worker_id, None)
         if drain is not None:
             self.disturbances.close(worker_id, drain, self.clock.now)
@@ -557,6 +621,8 @@ class Simulation:
         self._liveness_deadline = self.clock.now + self._liveness_budget()
         self._trace_note("heal: faults stop, liveness phase begins")
         self._partitions.clear()
+        for worker_id, until in list(self._hung_until.items()):
+            self._decoder_unhang(worker_id, until)
         for worker_id in self.cluster.crashed():
             self._restart(worker_id)
         for worker_id in self.cluster.stalled():

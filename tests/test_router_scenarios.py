@@ -12,6 +12,7 @@ from core.protocol import (
     DeliverError,
     DeliverFinished,
     DeliverToken,
+    DisarmTimer,
     Finished,
     FromWorkerMessage,
     GenerationRequest,
@@ -20,6 +21,7 @@ from core.protocol import (
     Offer,
     OfferResult,
     OfferTimer,
+    ProgressTimer,
     Resend,
     RouterEffect,
     Sampling,
@@ -108,7 +110,11 @@ def test_offer_goes_to_a_healthy_worker_with_a_timer() -> None:
 
 def test_duplicate_and_gap_are_fenced_while_the_next_index_is_delivered() -> None:
     router, a1 = accepted()
-    assert from_worker(router, "w1", Token(a1, 0, 100)) == [DeliverToken("a", 0, 100)]
+    # the first token also moves the attempt to the per-token progress deadline
+    assert from_worker(router, "w1", Token(a1, 0, 100)) == [
+        DeliverToken("a", 0, 100),
+        ArmTimer(ProgressTimer(a1), RouterConfig().token_timeout_s),
+    ]
     assert from_worker(router, "w1", Token(a1, 0, 100)) == []  # duplicate
     # a gap is not delivered; the router asks again from the first missing index
     assert from_worker(router, "w1", Token(a1, 2, 102)) == [SendToWorker("w1", Resend(a1, 1))]
@@ -142,6 +148,7 @@ def test_finished_waits_for_tokens_still_in_flight() -> None:
     assert from_worker(router, "w1", Token(a1, 1, 2)) == [DeliverToken("a", 1, 2)]
     assert from_worker(router, "w1", Token(a1, 2, 3)) == [
         DeliverToken("a", 2, 3),
+        DisarmTimer(ProgressTimer(a1)),
         DeliverFinished("a", "eos", 3),
     ]
     assert router.statistics().workers[0].held == 0
@@ -206,7 +213,7 @@ def test_worker_crash_before_first_token_completes_elsewhere() -> None:
     assert (worker, offer.assignment) == ("w2", Assignment("a", 2))
     a2 = offer.assignment
     from_worker(router, "w2", OfferResult("w2", 0, a2, True))
-    assert from_worker(router, "w2", Token(a2, 0, 4)) == [DeliverToken("a", 0, 4)]
+    assert from_worker(router, "w2", Token(a2, 0, 4))[0] == DeliverToken("a", 0, 4)
     from_worker(router, "w2", Token(a2, 1, 5))
     assert outcomes(from_worker(router, "w2", Finished(a2, "length", 2))) == [
         DeliverFinished("a", "length", 2)
@@ -401,6 +408,7 @@ def test_a_token_run_delivers_only_what_is_missing_and_completes_a_pending_finis
         DeliverToken("a", 2, 12),
         DeliverToken("a", 3, 13),
         DeliverToken("a", 4, 14),
+        DisarmTimer(ProgressTimer(a1)),
         DeliverFinished("a", "length", 5),
     ]
 
@@ -517,3 +525,34 @@ def test_a_resumed_stream_waiting_for_a_slot_ends_worker_lost_if_no_worker_is_le
     effects = router.handle(WorkerGone("w2", 0, "reset"), 0.2)
     kinds = {o.request_id: o.kind for o in outcomes(effects)}  # type: ignore[union-attr]
     assert kinds == {"a": "worker_lost", "b": "no_worker"}
+
+
+def test_a_stream_whose_decoder_hangs_resumes_elsewhere_and_its_worker_gets_no_offers() -> None:
+    config = RouterConfig(
+        first_token_timeout_s=5.0, prefill_timeout_per_token_s=1.0, token_timeout_s=2.0,
+        stuck_probe_s=10.0, heartbeat_timeout_s=100.0,
+    )  # fmt: skip
+    router, a1 = accepted(config=config, workers=("w1", "w2"))
+    # the first token is due after 5 s plus 1 s for each of the 3 prompt tokens
+    assert router.handle(TimerFired(ProgressTimer(a1)), 0.5) == [  # early: it re-arms
+        ArmTimer(ProgressTimer(a1), 8.0)
+    ]
+    # the first token: the per-token deadline from now on
+    assert from_worker(router, "w1", Token(a1, 0, 7), now=1.0)[1] == ArmTimer(
+        ProgressTimer(a1), 3.0
+    )
+    from_worker(router, "w1", Token(a1, 1, 8), now=2.5)  # moves progress_by to 4.5
+    assert router.handle(TimerFired(ProgressTimer(a1)), 3.0) == [ArmTimer(ProgressTimer(a1), 4.5)]
+    effects = router.handle(TimerFired(ProgressTimer(a1)), 4.5)  # nothing since 2.5 s
+    assert cancels(effects) == [("w1", a1)]
+    [(worker, offer)] = offers(effects)
+    assert worker == "w2" and offer.request.output_prefix == (7, 8)  # resumed at k = 2
+    views = {v.worker_id: v for v in router.statistics().workers}
+    assert not views["w1"].healthy and views["w1"].held == 1  # stuck; the slot drains
+    # heartbeats are not progress: w1 stays stuck and gets nothing new
+    beat(router, "w1", now=5.0, seq=2, active=(a1,))
+    router.handle(Submit(request("b")), 5.0)
+    assert router.placement("b") == ("w2", Assignment("b", 1))
+    # after stuck_probe_s a heartbeat gives it another chance
+    beat(router, "w1", now=14.6, seq=3)
+    assert {v.worker_id for v in router.statistics().workers if v.healthy} == {"w1", "w2"}

@@ -47,13 +47,20 @@ class Workers:
         self.log_dir = log_dir
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
 
-    def spawn(self, port: int, worker_id: str, slots: int = 8) -> subprocess.Popen[bytes]:
+    def spawn(
+        self,
+        port: int,
+        worker_id: str,
+        slots: int = 8,
+        prefill_ms: int = PREFILL_MS,
+        extra: tuple[str, ...] = (),
+    ) -> subprocess.Popen[bytes]:
         command = [
             sys.executable, "-m", "adapters.cli", "worker",
             "--connect", f"127.0.0.1:{port}", "--worker-id", worker_id,
             "--slots", str(slots), "--heartbeat-interval", "0.1", "--drain-timeout", "5",
-            "--fake", "--fake-step-ms", "10", "--fake-prefill-ms", str(PREFILL_MS),
-            "--fake-ignore-eos",
+            "--fake", "--fake-step-ms", "10", "--fake-prefill-ms", str(prefill_ms),
+            "--fake-ignore-eos", *extra,
         ]  # fmt: skip
         log = (self.log_dir / f"{worker_id}-{len(self.processes)}.log").open("wb")
         process = subprocess.Popen(command, stderr=log, stdout=log)
@@ -201,6 +208,61 @@ def test_kill_9_mid_stream_then_restart_with_a_new_epoch(workers: Workers) -> No
             await _w1_returns_and_serves(controller, workers, port, first_epoch)
             await wait_until(controller, settled, 5)
             assert live_tasks() == baseline_tasks  # no task outlived its connection or request
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_hung_decoder_is_left_behind_and_its_streams_finish_elsewhere(
+    workers: Workers,
+) -> None:
+    """w1's decoder wedges after 20 steps while w1 heartbeats on: its streams miss the
+    token deadline, resume on w2 from the exact delivered prefix, and w1 gets no new
+    work while it is stuck."""
+    token_timeout_s = 0.5
+    config = RouterConfig(
+        offer_timeout_s=1.0,
+        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+        first_token_timeout_s=2.0,
+        prefill_timeout_per_token_s=0.0,
+        token_timeout_s=token_timeout_s,
+        stuck_probe_s=60.0,
+    )
+
+    async def main() -> None:
+        controller = Controller(config)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(controller.run)
+            port = await nursery.start(serve_workers, controller, "127.0.0.1", 0)
+            workers.spawn(port, "w1", prefill_ms=0, extra=("--fake-hang-after", "20"))
+            workers.spawn(port, "w2", prefill_ms=0)
+            await wait_until(controller, lambda s: len(healthy(s)) == 2, 30)
+            results: Results = {}
+            began = trio.current_time()
+
+            async def client(req: GenerationRequest) -> None:
+                results[req.request_id] = await collect(controller.submit(req))
+
+            streams = [request(f"hang-{i}", 200) for i in range(4)]  # 2 s of tokens each
+            async with trio.open_nursery() as clients:
+                for req in streams:
+                    clients.start_soon(client, req)
+                # w1 takes half of them, then wedges; the router gives up on it
+                await wait_until(controller, lambda s: "w1" not in healthy(s), 10)
+            took = trio.current_time() - began
+            for req in streams:
+                tokens, outcome = results[req.request_id]
+                assert isinstance(outcome, DeliverFinished), outcome
+                assert tokens == expected(req)  # resumed from exactly where it stopped
+            stats = controller.statistics()
+            assert stats.router.resumes == 2
+            # the undisturbed run takes 2 s; the resumed ones lose one deadline on top
+            assert took < 2.0 + token_timeout_s + 3.0
+            # w1 is stuck (heartbeating, no progress): new work goes to w2 only
+            assert "w1" in stats.links and set(healthy(stats)) == {"w2"}
+            fresh = request("after-hang", 30)
+            tokens, outcome = await collect(controller.submit(fresh))
+            assert tokens == expected(fresh) and isinstance(outcome, DeliverFinished)
             nursery.cancel_scope.cancel()
 
     trio.run(main)

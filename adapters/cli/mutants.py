@@ -208,6 +208,20 @@ MUTANTS = (
         "budget, largest = limits.max_step_tokens - len(decode), limits.max_prefill_tokens",
         "budget, largest = limits.max_step_tokens, limits.max_prefill_tokens",
     ),
+    # Issue 16: progress deadlines (a decoder that hangs while its worker heartbeats).
+    Mutant(
+        "router never arms the progress deadline",
+        "core/requests.py",
+        "        out.append(ArmTimer(ProgressTimer(req.active), req.progress_by))\n\n",
+        "\n",
+    ),
+    Mutant(
+        "router's progress deadline fires but fences nothing",
+        "core/requests.py",
+        "        worker_id = req.worker_id\n        assert worker_id is not None\n"
+        "        # Its decoder is hung",
+        "        return\n        # Its decoder is hung",
+    ),
 )
 
 

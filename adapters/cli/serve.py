@@ -37,6 +37,9 @@ from core.worker import WorkerConfig
 log = logging.getLogger("fencepost.serve")
 
 
+_DEADLINES = RouterConfig()  # the router's default progress deadlines
+
+
 @dataclass
 class ServeOptions:
     host: str = "127.0.0.1"
@@ -54,6 +57,10 @@ class ServeOptions:
     drain_timeout_s: float = 30.0
     heartbeat_timeout_s: float = 3.0
     max_resumes: int = 2
+    first_token_timeout_s: float = _DEADLINES.first_token_timeout_s
+    prefill_timeout_per_token_s: float = _DEADLINES.prefill_timeout_per_token_s
+    token_timeout_s: float = _DEADLINES.token_timeout_s
+    stuck_probe_s: float = _DEADLINES.stuck_probe_s
     limits: HttpLimits | None = None
 
 
@@ -75,6 +82,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fake-step-ms", type=float, default=0.0)
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS")
     parser.add_argument("--heartbeat-timeout", type=float, default=3.0, metavar="SECONDS")
+    deadlines = _DEADLINES
+    parser.add_argument(
+        "--first-token-timeout", type=float, default=deadlines.first_token_timeout_s,
+        metavar="SECONDS",
+        help="an accepted request's first token is due within this, plus "
+        "--prefill-timeout-per-token per prompt token; else it fails over (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefill-timeout-per-token", type=float,
+        default=deadlines.prefill_timeout_per_token_s, metavar="SECONDS",
+    )  # fmt: skip
+    parser.add_argument(
+        "--token-timeout", type=float, default=deadlines.token_timeout_s, metavar="SECONDS",
+        help="each next token is due within this; else the stream resumes elsewhere "
+        "and the worker gets no offers for --stuck-probe seconds (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--stuck-probe", type=float, default=deadlines.stuck_probe_s, metavar="SECONDS"
+    )
     resume = parser.add_mutually_exclusive_group()
     resume.add_argument(
         "--max-resumes", type=int, default=2, metavar="N",
@@ -103,6 +129,10 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
         drain_timeout_s=args.drain_timeout,
         heartbeat_timeout_s=args.heartbeat_timeout,
         max_resumes=args.max_resumes,
+        first_token_timeout_s=args.first_token_timeout,
+        prefill_timeout_per_token_s=args.prefill_timeout_per_token,
+        token_timeout_s=args.token_timeout,
+        stuck_probe_s=args.stuck_probe,
     )
 
 
@@ -173,6 +203,10 @@ async def serve(
         heartbeat_timeout_s=options.heartbeat_timeout_s,
         queue_limit=1024,
         max_resumes=options.max_resumes,
+        first_token_timeout_s=options.first_token_timeout_s,
+        prefill_timeout_per_token_s=options.prefill_timeout_per_token_s,
+        token_timeout_s=options.token_timeout_s,
+        stuck_probe_s=options.stuck_probe_s,
     )
     controller = Controller(router)
     app = FencepostApp(controller, [model], options.limits)

@@ -40,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fake-step-ms", type=float, default=0.0)
     parser.add_argument("--fake-prefill-ms", type=float, default=0.0)
     parser.add_argument("--fake-ignore-eos", action="store_true", help="fixed-length outputs")
+    parser.add_argument(
+        "--fake-hang-after", type=int, default=None, metavar="STEPS",
+        help="the fake decoder wedges after STEPS steps while heartbeats go on (for drills)",
+    )  # fmt: skip
 
 
 def address(text: str, lowest_port: int = 1) -> tuple[str, int]:
@@ -60,7 +64,10 @@ def run(args: argparse.Namespace) -> int:
     decoder: Decoder
     if args.fake:
         decoder = FakeDecoder(
-            args.fake_step_ms / 1000, args.fake_prefill_ms / 1000, args.fake_ignore_eos
+            args.fake_step_ms / 1000,
+            args.fake_prefill_ms / 1000,
+            args.fake_ignore_eos,
+            args.fake_hang_after,
         )
         max_context = args.max_context
     else:

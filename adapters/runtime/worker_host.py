@@ -144,13 +144,23 @@ class FakeDecoder:
     prefill_s delays each assignment's first token (a stand-in for prompt
     processing). With step_s = 0 it only yields to the event loop between steps,
     which makes it an instant decoder for measuring the runtime. ignore_eos makes
-    every request run to its max_new_tokens (fixed-length streams).
+    every request run to its max_new_tokens (fixed-length streams). hang_after
+    makes it wedge for good after that many steps, as a forward pass that never
+    returns would (the worker around it keeps heartbeating): a gray failure to
+    test the router's progress deadlines against.
     """
 
-    def __init__(self, step_s: float = 0.0, prefill_s: float = 0.0, ignore_eos: bool = False):
+    def __init__(
+        self,
+        step_s: float = 0.0,
+        prefill_s: float = 0.0,
+        ignore_eos: bool = False,
+        hang_after: int | None = None,
+    ):
         self.step_s = step_s
         self.prefill_s = prefill_s
         self.ignore_eos = ignore_eos
+        self.hang_after = hang_after
         self._running: dict[Assignment, _FakeRun] = {}
         self._lot = trio.lowlevel.ParkingLot()
         self.steps = 0
@@ -183,6 +193,9 @@ class FakeDecoder:
                 with trio.move_on_at(min(run.ready_at for run in self._running.values())):
                     await self._lot.park()
                 continue
+            if self.hang_after is not None and self.steps >= self.hang_after:
+                log.warning("fake decoder hangs after %d steps (--fake-hang-after)", self.steps)
+                await trio.sleep_forever()
             emit(self._step(ready))
             if self.step_s > 0:
                 await trio.sleep(self.step_s)
