@@ -67,6 +67,10 @@ class FrameReader:
         self._max_frame_bytes = max_frame_bytes
         self.failed: WireError | None = None
 
+    def limit(self, max_frame_bytes: int) -> None:
+        """Change the frame cap (a link takes small frames until it has registered)."""
+        self._max_frame_bytes = max_frame_bytes
+
     def feed(self, data: bytes | bytearray) -> list[AnyWireMessage | WireError]:
         if self.failed is not None:
             return []

@@ -278,3 +278,37 @@ def test_tcp_worker_serves_and_bad_connections_leave_running_streams_alone() -> 
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_the_worker_port_bounds_what_unregistered_and_silent_peers_can_hold() -> None:
+    """Caps on connections, small frames before registration, and silent links closed."""
+
+    async def main() -> None:
+        controller = Controller(FAST)
+        limits = TransportLimits(registration_timeout_s=2.0, max_unregistered=2, idle_timeout_s=0.3)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(controller.run)
+            port = await nursery.start(serve_workers, controller, "127.0.0.1", 0, limits)
+            # a frame header announcing 1 MiB before registering: closed at once
+            began = trio.current_time()
+            assert await raw_connection(port, (1024 * 1024 - 1).to_bytes(4, "big")) == b""
+            assert trio.current_time() - began < 1.0
+            # two silent newcomers hold the unregistered places; a third is closed at once
+            first = await trio.open_tcp_stream("127.0.0.1", port)
+            second = await trio.open_tcp_stream("127.0.0.1", port)
+            await trio.sleep(0.1)
+            began = trio.current_time()
+            assert await raw_connection(port, b"") == b""
+            assert trio.current_time() - began < 1.0
+            await first.aclose()
+            await second.aclose()
+            await trio.sleep(0.1)
+            # a registered link that goes silent is closed after idle_timeout_s
+            hello = Heartbeat("quiet", 1, 1, 4, 4, 2048)
+            began = trio.current_time()
+            assert await raw_connection(port, encode_frame(hello), timeout_s=3) == b""
+            assert 0.25 < trio.current_time() - began < 1.5
+            await wait_until(controller, lambda s: "quiet" not in s.links, 2)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

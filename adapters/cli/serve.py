@@ -57,6 +57,8 @@ class ServeOptions:
     drain_timeout_s: float = 30.0
     heartbeat_timeout_s: float = 3.0
     max_resumes: int = 2
+    keep_alive_timeout_s: float = 5.0
+    read_timeout_s: int | None = None
     first_token_timeout_s: float = _DEADLINES.first_token_timeout_s
     prefill_timeout_per_token_s: float = _DEADLINES.prefill_timeout_per_token_s
     token_timeout_s: float = _DEADLINES.token_timeout_s
@@ -82,6 +84,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fake-step-ms", type=float, default=0.0)
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS")
     parser.add_argument("--heartbeat-timeout", type=float, default=3.0, metavar="SECONDS")
+    parser.add_argument(
+        "--http-keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
+        help="close an idle HTTP connection after this (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--http-read-timeout", type=int, default=None, metavar="SECONDS",
+        help="close a connection whose client sends nothing for this long, even while "
+        "a response streams to it (default: off)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--http-body-timeout", type=float, default=30.0, metavar="SECONDS",
+        help="a request body must arrive within this, else 408 (default %(default)s)",
+    )  # fmt: skip
     deadlines = _DEADLINES
     parser.add_argument(
         "--first-token-timeout", type=float, default=deadlines.first_token_timeout_s,
@@ -129,6 +144,9 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
         drain_timeout_s=args.drain_timeout,
         heartbeat_timeout_s=args.heartbeat_timeout,
         max_resumes=args.max_resumes,
+        keep_alive_timeout_s=args.http_keep_alive_timeout,
+        read_timeout_s=args.http_read_timeout,
+        limits=HttpLimits(body_timeout_s=args.http_body_timeout),
         first_token_timeout_s=args.first_token_timeout,
         prefill_timeout_per_token_s=args.prefill_timeout_per_token,
         token_timeout_s=args.token_timeout,
@@ -214,6 +232,10 @@ async def serve(
     config.bind = [f"{options.host}:{options.port}"]
     config.accesslog = None
     config.graceful_timeout = options.drain_timeout_s + 5
+    config.keep_alive_timeout = options.keep_alive_timeout_s
+    # Off by default: Hypercorn's read timeout also cuts a long streamed response
+    # whose client sends nothing meanwhile, which is every streaming client.
+    config.read_timeout = options.read_timeout_s
     http_stop = trio.Event()
 
     async with trio.open_nursery() as nursery:
@@ -230,7 +252,10 @@ async def serve(
         async def run_http(*, task_status: trio.TaskStatus[list[str]]) -> None:
             try:
                 await hypercorn_serve(
-                    app.quart, config, shutdown_trigger=http_stop.wait, task_status=task_status
+                    app.quart,
+                    config,
+                    shutdown_trigger=http_stop.wait,
+                    task_status=task_status,
                 )
             finally:
                 http_done.set()

@@ -52,6 +52,7 @@ FINISH_REASONS = {"eos": "stop", "length": "length"}
 @dataclass
 class HttpLimits:
     max_body_bytes: int = 1024 * 1024
+    body_timeout_s: float = 30.0  # a declared body must arrive within this (else 408)
     client: ClientLimits = field(default_factory=ClientLimits)
 
 
@@ -216,7 +217,7 @@ class FencepostApp:
         app = QuartTrio("fencepost")
         app.config["MAX_CONTENT_LENGTH"] = self.limits.max_body_bytes
         app.config["RESPONSE_TIMEOUT"] = None  # streams last as long as generation does
-        app.config["BODY_TIMEOUT"] = 30
+        app.config["BODY_TIMEOUT"] = self.limits.body_timeout_s
         app.add_url_rule("/v1/chat/completions", view_func=self.chat, methods=["POST"])
         app.add_url_rule("/v1/models", view_func=self.list_models, methods=["GET"])
         app.add_url_rule("/v1/models/<path:model_id>", view_func=self.get_model, methods=["GET"])

@@ -21,6 +21,7 @@ held stops decoding, and the worker reconnects as a new epoch.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +47,16 @@ class TransportLimits:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     send_queue_messages: int = 8_192  # per connection, each direction
     registration_timeout_s: float = 5.0  # a new connection must heartbeat within this
+    # The worker port is unauthenticated: what one peer can make the router hold is
+    # bounded. Connections beyond these caps are closed at once; a connection that
+    # has not registered may send frames of at most registration_frame_bytes (its
+    # first frame is a small Heartbeat), so it buffers no more than that; a
+    # registered link silent for idle_timeout_s (default: the router's heartbeat
+    # timeout) is closed, not just marked unhealthy.
+    max_connections: int = 128
+    max_unregistered: int = 16
+    registration_frame_bytes: int = 64 * 1024
+    idle_timeout_s: float | None = None
 
 
 class LinkClosed(Exception):
@@ -53,18 +64,24 @@ class LinkClosed(Exception):
 
 
 class FrameStream:
-    """Whole wire messages from a byte stream; bad input ends it with LinkClosed."""
+    """Whole wire messages from a byte stream; bad input ends it with LinkClosed, and
+    so does silence longer than idle_timeout_s, when one is set."""
 
     def __init__(self, stream: trio.abc.Stream, max_frame_bytes: int) -> None:
         self.stream = stream
         self.reader = FrameReader(max_frame_bytes)
+        self.idle_timeout_s = math.inf
 
     async def receive(self) -> list[AnyWireMessage]:
         while True:
             try:
-                data = await self.stream.receive_some(RECEIVE_BYTES)
+                data = None
+                with trio.move_on_after(self.idle_timeout_s):
+                    data = await self.stream.receive_some(RECEIVE_BYTES)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
                 raise LinkClosed(f"connection broken: {error}") from None
+            if data is None:
+                raise LinkClosed(f"nothing received for {self.idle_timeout_s:g}s")
             if not data:
                 failed = self.reader.finish()
                 raise LinkClosed(f"closed mid-frame: {failed.detail}" if failed else "closed")
@@ -156,26 +173,66 @@ async def serve_workers(
     log.info("accepting workers on %s:%d", host, bound)
     task_status.started(bound)
 
+    census = _Census()
+
     async def handler(stream: trio.SocketStream) -> None:
-        await _serve_connection(controller, stream, limits)
+        refusal = census.refusal(limits)
+        if refusal is not None:
+            census.note_refused(refusal)
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+            return
+        census.open += 1
+        census.unregistered += 1
+        try:
+            await _serve_connection(controller, stream, limits, census)
+        finally:
+            census.open -= 1
 
     await trio.serve_listeners(handler, listeners)
 
 
+class _Census:
+    """Connections open on the worker port, and a rate-limited log of refusals."""
+
+    def __init__(self) -> None:
+        self.open = 0
+        self.unregistered = 0
+        self.refused = 0
+        self._logged_at = -math.inf
+
+    def refusal(self, limits: TransportLimits) -> str | None:
+        if self.open >= limits.max_connections:
+            return f"{self.open} connections open (--max-connections {limits.max_connections})"
+        if self.unregistered >= limits.max_unregistered:
+            return f"{self.unregistered} connections not yet registered"
+        return None
+
+    def note_refused(self, why: str) -> None:
+        self.refused += 1
+        now = trio.current_time()
+        if now - self._logged_at >= 10.0:  # once per interval, not once per attempt
+            log.warning("refusing worker connections: %s (%d refused so far)", why, self.refused)
+            self._logged_at = now
+
+
 async def _serve_connection(
-    controller: Controller, stream: trio.SocketStream, limits: TransportLimits
+    controller: Controller, stream: trio.SocketStream, limits: TransportLimits, census: _Census
 ) -> None:
     try:
         peer = "{}:{}".format(*stream.socket.getpeername()[:2])
     except OSError:
         peer = "unknown peer"
-    frames = FrameStream(stream, limits.max_frame_bytes)
+    frames = FrameStream(stream, limits.registration_frame_bytes)
     link: TcpLink | None = None
     reason = "closed"
+    registering = True
     try:
         first: list[AnyWireMessage] | None = None
         with trio.move_on_after(limits.registration_timeout_s):
             first = await frames.receive()
+        census.unregistered -= 1
+        registering = False
         if first is None:
             raise LinkClosed("no heartbeat within the registration timeout")
         hello = first[0]
@@ -185,6 +242,11 @@ async def _serve_connection(
         if not controller.attach(link):
             raise LinkClosed(f"worker {hello.worker_id} epoch {hello.epoch} is not newer")
         log.info("worker %s epoch %d connected from %s", link.worker_id, link.epoch, peer)
+        frames.reader.limit(limits.max_frame_bytes)
+        idle = limits.idle_timeout_s
+        frames.idle_timeout_s = (
+            controller.router.config.heartbeat_timeout_s if idle is None else idle
+        )
         _pass_to_controller(controller, link, first)
         with link.scope:
             reason = await run_connection(
@@ -196,6 +258,8 @@ async def _serve_connection(
     except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
         reason = f"connection broken: {error}"
     finally:
+        if registering:
+            census.unregistered -= 1
         who = f"worker {link.worker_id} epoch {link.epoch}" if link else peer
         log.warning("connection of %s ended: %s", who, reason)
         if link is not None:
