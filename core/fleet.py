@@ -32,6 +32,7 @@ from core.protocol import (
     Cancel,
     Heartbeat,
     LivenessTimer,
+    Registration,
     RouterEffect,
     SendToWorker,
 )
@@ -107,14 +108,44 @@ class Fleet:
         self.workers: dict[str, WorkerRecord] = {}
         self.requests: RequestSide | None = None  # set by the Router that owns both
         self.stuck: set[str] = set()  # workers in Health.STUCK (checked per token: cheap)
+        self.assigned: dict[str, int] = {}  # the last epoch handed out per worker id
         self.now = 0.0  # the `now` of the event being handled; never read from a clock
         self._fenced = fenced
 
     # --- worker events ---
 
+    def register(self, worker_id: str, takeover: bool, out: list[RouterEffect]) -> None:
+        """A connection asks to serve as worker_id: hand out the next epoch, unless a
+        live worker (healthy or stuck: it heartbeats) has the id and this is no takeover.
+
+        Epochs come from here, not from the workers' clocks, so a process on a host
+        whose clock runs ahead cannot lock the real one out: a heartbeat naming an
+        epoch never handed out is fenced."""
+        worker = self.workers.get(worker_id)
+        live = worker is not None and worker.health in (Health.HEALTHY, Health.STUCK)
+        if live and not takeover:
+            assert worker is not None
+            reason = (
+                f"worker id {worker_id!r} is in use by a live worker (epoch {worker.epoch}); "
+                "give this one another id, or let it take over"
+            )
+            out.append(Registration(worker_id, None, reason))
+            return
+        last = self.assigned.get(worker_id, -1)
+        if worker is not None:
+            last = max(last, worker.epoch, worker.gone_epoch)
+        epoch = self.assigned[worker_id] = last + 1
+        if live:
+            assert worker is not None
+            self.on_worker_gone(worker_id, worker.epoch, f"taken over by epoch {epoch}", out)
+        out.append(Registration(worker_id, epoch))
+
     def on_heartbeat(self, worker_id: str, beat: Heartbeat, out: list[RouterEffect]) -> None:
         if beat.worker_id != worker_id:
             self._fenced["wrong_worker"] += 1
+            return
+        if beat.epoch > self.assigned.get(worker_id, beat.epoch):
+            self._fenced["unknown_epoch"] += 1  # from the future: never handed out
             return
         worker = self.workers.get(worker_id)
         event = HealthEvent.HEARTBEAT

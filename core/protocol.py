@@ -166,9 +166,34 @@ class Heartbeat(WireMessage, frozen=True):
     active: tuple[Assignment, ...] = ()
 
 
+class Register(WireMessage, frozen=True):
+    """Worker -> router, the first frame of a connection: the id it serves under.
+    The router answers Registered (with the epoch it hands out) or Refused."""
+
+    worker_id: WorkerId
+    takeover: bool = False  # replace a live worker of this id instead of being refused
+
+
+class Registered(WireMessage, frozen=True):
+    """Router -> worker: serve under this epoch (the router's, never a host clock's)."""
+
+    worker_id: WorkerId
+    epoch: Count
+
+
+class Refused(WireMessage, frozen=True):
+    """Router -> worker: this id is taken by a live worker; the connection ends."""
+
+    worker_id: WorkerId
+    reason: str
+
+
 ToWorker = Offer | Cancel | Resend
 FromWorker = OfferResult | Token | TokenRun | Finished | Heartbeat
-AnyWireMessage = Offer | Cancel | Resend | OfferResult | Token | TokenRun | Finished | Heartbeat
+AnyWireMessage = (
+    Offer | Cancel | Resend | OfferResult | Token | TokenRun | Finished | Heartbeat
+    | Register | Registered | Refused
+)  # fmt: skip
 
 
 # --- timers: a key names a timer; arming a key again replaces its deadline ---
@@ -240,7 +265,14 @@ class WorkerGone(Struct, frozen=True):
     reason: str
 
 
-RouterEvent = Submit | ClientCancel | FromWorkerMessage | WorkerGone | TimerFired
+class RegisterWorker(Struct, frozen=True):
+    """A worker connection opened with Register: may it serve, and under which epoch?"""
+
+    worker_id: str
+    takeover: bool = False
+
+
+RouterEvent = Submit | ClientCancel | FromWorkerMessage | WorkerGone | TimerFired | RegisterWorker
 
 
 class SendToWorker(Struct, frozen=True):
@@ -273,7 +305,20 @@ class DeliverError(Struct, frozen=True):
 
 
 Delivery = DeliverToken | DeliverFinished | DeliverError
-RouterEffect = SendToWorker | ArmTimer | DisarmTimer | DeliverToken | DeliverFinished | DeliverError
+
+
+class Registration(Struct, frozen=True):
+    """The answer to RegisterWorker: an epoch to serve under, or None and why not."""
+
+    worker_id: str
+    epoch: int | None
+    reason: str = ""
+
+
+RouterEffect = (
+    SendToWorker | ArmTimer | DisarmTimer | DeliverToken | DeliverFinished | DeliverError
+    | Registration
+)  # fmt: skip
 
 
 # --- worker events and effects ---

@@ -55,6 +55,7 @@ from core.protocol import (
     OfferResult,
     OfferTimer,
     ProgressTimer,
+    RegisterWorker,
     RouterEffect,
     RouterEvent,
     Submit,
@@ -77,6 +78,7 @@ FenceReason = Literal[
     "over_budget",  # token index at or past max_new_tokens, or a bad count
     "duplicate_result",  # offer answer for an assignment already accepted
     "stale_heartbeat",  # older epoch or sequence number than already seen, or a gone epoch
+    "unknown_epoch",  # a heartbeat naming an epoch the router never handed out
     "orphan",  # worker holds an assignment nobody wants: Cancel sent
 ]
 
@@ -150,6 +152,8 @@ class Router:
                 fleet.on_liveness_timer(worker_id, out)
             case WorkerGone(worker_id, epoch, reason):
                 fleet.on_worker_gone(worker_id, epoch, reason, out)
+            case RegisterWorker(worker_id, takeover):
+                fleet.register(worker_id, takeover, out)
             case _:
                 raise RouterMisuse(f"router cannot handle {event!r}")
         requests.dispatch_queue(out)

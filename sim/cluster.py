@@ -51,6 +51,9 @@ from core.protocol import (
     FromWorker,
     FromWorkerMessage,
     GenerationRequest,
+    Heartbeat,
+    RegisterWorker,
+    Registration,
     RouterEffect,
     RouterEvent,
     SendToRouter,
@@ -169,11 +172,32 @@ class Cluster:
         self.violations: list[str] = []
         self.oracles = Oracles(self, disturbances)
         for worker_id in worker_ids:
-            self.start_worker(worker_id, epoch=0)
+            self.start_worker(worker_id)
 
     # --- driving ---
 
-    def start_worker(self, worker_id: str, epoch: int, slots: int | None = None) -> None:
+    def register(self, worker_id: str) -> int | None:
+        """A process connects as worker_id: the router hands out an epoch, or refuses."""
+        answer: Registration | None = None
+        effects = self.router.handle(RegisterWorker(worker_id), self.clock.now)
+        if self.trace is not None:
+            self.trace(f"{self.now:9.4f} router  register {worker_id} -> {_show_all(effects)}")
+        for effect in effects:
+            if isinstance(effect, Registration):
+                answer = effect
+            else:
+                self._apply_router_effect(effect)
+        self.oracles.after_router(RegisterWorker(worker_id), effects, None, self.clock.now)
+        assert answer is not None
+        return answer.epoch
+
+    def start_worker(self, worker_id: str, slots: int | None = None) -> bool:
+        """Start a worker process: it registers, then serves under the router's epoch.
+        False if the router refused the id (a live worker has it): the process waits."""
+        epoch = self.register(worker_id)
+        if epoch is None:
+            self.down.add(worker_id)
+            return False
         config = WorkerConfig(
             worker_id,
             epoch=epoch,
@@ -187,6 +211,7 @@ class Cluster:
         self.decodes[worker_id] = {}
         self.down.discard(worker_id)
         self._run_worker(worker_id, WorkerStart())
+        return True
 
     def fail_decoder(self, worker_id: str) -> None:
         """The worker's decoder breaks: every running assignment there fails."""
@@ -222,9 +247,13 @@ class Cluster:
         """The transport tells the router that this epoch's connection is gone."""
         self._run_router(WorkerGone(worker_id, epoch, "connection closed"))
 
-    def restart_worker(self, worker_id: str) -> None:
-        old = self.workers[worker_id].config
-        self.start_worker(worker_id, old.epoch + 1, old.slots)
+    def restart_worker(self, worker_id: str) -> bool:
+        """A new process (or a new connection of a live one) registers again."""
+        return self.start_worker(worker_id, self.workers[worker_id].config.slots)
+
+    def inject_heartbeat(self, heartbeat: Heartbeat) -> None:
+        """A heartbeat from nowhere (a process with a wrong idea of its epoch)."""
+        self._run_router(FromWorkerMessage(heartbeat.worker_id, heartbeat))
 
     @property
     def max_salt(self) -> int:

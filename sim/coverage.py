@@ -15,10 +15,16 @@ from dataclasses import dataclass, field
 
 from core.states import TABLES
 
-# (table, state, event) -> why no simulated run takes that move.
+# (table, state, event) -> why the standard sweep cannot be expected to take that move.
 UNREACHABLE: dict[tuple[str, str, str], str] = {
     ("assignment", "active", "decoded"): (
         "the worker's one self-loop, not looked up per token (core/worker.py)"
+    ),
+    ("worker health", "stuck", "new_epoch"): (
+        "a registered worker gets a new epoch only once the router no longer counts it "
+        "live, or by a takeover, which marks it gone first; a stuck worker counts as "
+        "live, so only a stale heartbeat reviving the old epoch in between could lead "
+        "here (taken by unregistered workers in the unit tests)"
     ),
     ("worker health", "silent", "deadline_missed"): (
         "the liveness timer is armed only by a heartbeat, which also makes the worker "

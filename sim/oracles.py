@@ -89,6 +89,7 @@ FENCE_CAUSES: dict[str, frozenset[str]] = {
     "router.gap": frozenset({"loss", "late", "partition", "blackout", "delay_spread"}),
     "router.stale_heartbeat": REORDERING | {"crash", "drain"},
     "router.orphan": REORDERING | {"attempt_lost", "client_cancel"},
+    "router.unknown_epoch": frozenset({"future_epoch"}),
     "worker.late_token": frozenset({"decoder_misbehaves"}),
     "worker.duplicate": frozenset({"decoder_misbehaves"}),
     "worker.gap": frozenset({"decoder_misbehaves"}),

@@ -31,7 +31,7 @@ from random import Random
 
 from core.batching import BatchLimits, StepPlan
 from core.fake_model import VOCAB
-from core.protocol import GenerationRequest, Sampling
+from core.protocol import GenerationRequest, Heartbeat, Sampling
 from core.router import RouterConfig
 from sim.clock import Clock
 from sim.cluster import MISBEHAVIOURS, Cluster, InvariantViolation, Packet
@@ -54,6 +54,8 @@ FAULT_KINDS = (
     "decoder_misbehaves",  # for a while a decoder repeats, skips or overruns indices
     "blackout",  # the router loses every worker at once, both ways, then heals
     "decoder_hang",  # a decoder stops producing while its worker heartbeats on
+    "impostor",  # a second process registers under a live worker's id
+    "future_epoch",  # a heartbeat names an epoch the router never handed out
 )
 
 
@@ -127,6 +129,8 @@ class Swarm:
     misbehaving_decoders: int
     blackouts: int
     hangs: int
+    impostors: int
+    future_epochs: int
     max_prefill_tokens: int  # the fake decoders' batching limits (core.batching)
 
 
@@ -168,6 +172,8 @@ def draw_swarm(rng: Random, scenario: Scenario) -> Swarm:
         blackouts=count("blackout", 1),
         max_prefill_tokens=rng.choice((4, 16, 128)),
         hangs=count("decoder_hang", 2),
+        impostors=count("impostor", 2),
+        future_epochs=count("future_epoch", 2),
     )
 
 
@@ -283,7 +289,7 @@ class Simulation:
             self._trace(f"seed {self.seed} swarm {sorted(self.swarm.enabled)}")
         for index, worker_id in enumerate(self._worker_ids):
             slots = self.swarm.slots[index]
-            self.cluster.start_worker(worker_id, epoch=0, slots=slots)
+            assert self.cluster.start_worker(worker_id, slots=slots)
             chunk = self.swarm.max_prefill_tokens
             self._limits[worker_id] = BatchLimits(
                 max_seqs=slots,
@@ -371,6 +377,40 @@ class Simulation:
             hang = self._hangs.pop(worker_id)
             self.disturbances.close(worker_id, hang, self.clock.now)
             self._trace_note(f"decoder of {worker_id} runs again")
+
+    def _impostor(self, worker_id: str) -> None:
+        """A second process registers as worker_id (a copy-pasted id), then leaves.
+
+        Refused while the real worker is live. Accepted only when the router had
+        already lost the real one (it was crashed, stalled or cut off): then the
+        real process's connection is closed by the router and it registers again,
+        and the impostor's own connection closes a moment later."""
+        if self.healed:
+            return
+        cluster = self.cluster
+        was_disturbed = self.disturbances.explains(worker_id, self.clock.now, self.clock.now)
+        epoch = cluster.register(worker_id)
+        if epoch is None:
+            self._fault("impostor", f"{worker_id} refused")
+            return
+        self._fault("impostor", f"{worker_id} accepted as epoch {epoch}")
+        if was_disturbed:  # taking over a lost worker's id is fair; a live one's is a bug
+            self._disturb(worker_id, "impostor", 0.5)
+        if not cluster.is_down(worker_id):
+            self._stop_process(worker_id)  # its connection was closed: a new session
+            self.clock.schedule(self.clock.now + 0.05, self._scheduled_restart, worker_id)
+        leaves = self.clock.now + self._faults_rng.uniform(0.05, 0.5)
+        self.clock.schedule(leaves, cluster.worker_gone, worker_id, epoch)
+
+    def _future_epoch(self, worker_id: str, ahead: int) -> None:
+        """A heartbeat under worker_id naming an epoch the router never handed out
+        (a process whose idea of its epoch came from a clock running ahead)."""
+        if self.healed:
+            return
+        self._fault("future_epoch", f"{worker_id} +{ahead}")
+        self.disturbances.note("future_epoch")  # explains the fence, disturbs nothing
+        epoch = self.cluster.epoch(worker_id) + ahead
+        self.cluster.inject_heartbeat(Heartbeat(worker_id, epoch, 1, 4, 4, 4096))
 
     def _misbehaviour(self, worker_id: str) -> str | None:
         """How this step of a misbehaving decoder goes wrong, if it does."""
@@ -515,6 +555,11 @@ class Simulation:
             self.clock.schedule(at, self._decoder_misbehaves, worker_id, rng.uniform(0.2, 2.0))
         for _ in range(self.swarm.blackouts):
             self.clock.schedule(rng.uniform(0.5, window), self._blackout, rng.uniform(0.3, 2.0))
+        for _ in range(self.swarm.impostors):
+            self.clock.schedule(rng.uniform(0.5, window), self._impostor, rng.choice(worker_ids))
+        for _ in range(self.swarm.future_epochs):
+            at, worker_id = rng.uniform(0.5, window), rng.choice(worker_ids)
+            self.clock.schedule(at, self._future_epoch, worker_id, rng.randint(1, 1000))
         for _ in range(self.swarm.hangs):
             at, worker_id = rng.uniform(0.5, window), rng.choice(worker_ids)
             # for a while, or until everything heals (as good as forever for the run)
@@ -553,14 +598,23 @@ class Simulation:
         self._fault("crash_notice", worker_id)
         self.cluster.worker_gone(worker_id, epoch)
 
-    def _restart(self, worker_id: str) -> None:
+    def _restart(self, worker_id: str, backoff_s: float = 0.05) -> None:
         self._trace_note(f"restart {worker_id}")
         self._generation[worker_id] += 1
         self._decode_pending[worker_id] = False
-        self.cluster.restart_worker(worker_id)
+        if not self.cluster.restart_worker(worker_id):
+            # Refused: the router still takes the old process for live (no notice of
+            # its end yet). Register again with backoff, as a real worker does.
+            again = self.clock.now + backoff_s
+            self.clock.schedule(again, self._retry_registration, worker_id, min(1.0, 2 * backoff_s))
+            return
         crash = self._open_crash.pop(worker_id, None)
         if crash is not None:  # the heal may restart it before its drawn downtime is over
             self.disturbances.close(worker_id, crash, self.clock.now)
+
+    def _retry_registration(self, worker_id: str, backoff_s: float) -> None:
+        if self.cluster.is_down(worker_id):
+            self._restart(worker_id, backoff_s)
 
     def _drain(self, worker_id: str) -> None:
         """Drain (a rolling restart): no new work; the process exits once idle, the

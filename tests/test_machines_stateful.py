@@ -333,6 +333,8 @@ class ClusterOnFaultyLink(RuleBasedStateMachine):
     @rule(worker=st.sampled_from(WORKERS))
     def crash_and_restart(self, worker: str) -> None:
         self.cluster.crash_worker(worker)
+        # Refused while the router still takes the old process for live: it stays
+        # down and registers again later (teardown), as a real worker retries.
         self.cluster.restart_worker(worker)
 
     @invariant()
@@ -347,6 +349,10 @@ class ClusterOnFaultyLink(RuleBasedStateMachine):
                 cluster.deliver(0)
             elif cluster.running_decodes():
                 cluster.decode_step(*cluster.running_decodes()[0])
+            elif cluster.crashed():
+                for worker in cluster.crashed():
+                    cluster.restart_worker(worker)
+                cluster.advance(cluster.now + 0.25)
             elif cluster.unfinished() or any(v.held for v in cluster.router.statistics().workers):
                 cluster.advance(cluster.now + 0.25)
             else:

@@ -18,6 +18,8 @@ from core.protocol import (
     GenerationRequest,
     Heartbeat,
     Offer,
+    Register,
+    Registered,
     Sampling,
     Token,
     ToWorker,
@@ -304,9 +306,9 @@ def test_the_worker_port_bounds_what_unregistered_and_silent_peers_can_hold() ->
             await second.aclose()
             await trio.sleep(0.1)
             # a registered link that goes silent is closed after idle_timeout_s
-            hello = Heartbeat("quiet", 1, 1, 4, 4, 2048)
             began = trio.current_time()
-            assert await raw_connection(port, encode_frame(hello), timeout_s=3) == b""
+            reply = await raw_connection(port, encode_frame(Register("quiet")), timeout_s=3)
+            assert reply == encode_frame(Registered("quiet", 0))  # the router's epoch
             assert 0.25 < trio.current_time() - began < 1.5
             await wait_until(controller, lambda s: "quiet" not in s.links, 2)
             nursery.cancel_scope.cancel()

@@ -268,6 +268,54 @@ def test_a_hung_decoder_is_left_behind_and_its_streams_finish_elsewhere(
     trio.run(main)
 
 
+def test_a_second_process_with_a_live_worker_id_is_refused_once_and_exits(
+    workers: Workers,
+) -> None:
+    """Two processes claiming one id: the newcomer is refused (it exits 2, naming the
+    id), the live one keeps its epoch and its streams; with --take-over the newcomer
+    replaces it, and the replaced one, refused in turn, exits instead of fighting."""
+
+    async def main() -> None:
+        controller = Controller(CONFIG)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(controller.run)
+            port = await nursery.start(serve_workers, controller, "127.0.0.1", 0)
+            original = workers.spawn(port, "w1", prefill_ms=0, extra=("--refused-grace", "2"))
+            stats = await wait_until(controller, lambda s: "w1" in healthy(s), 30)
+            epoch = healthy(stats)["w1"]
+            stream = controller.submit(request("during", 150))  # 1.5 s of tokens on w1
+            await trio.sleep(0.2)
+            twin = workers.spawn(port, "w1", prefill_ms=0, extra=("--refused-grace", "2"))
+            with trio.fail_after(20):
+                while twin.poll() is None:
+                    await trio.sleep(0.05)
+            assert twin.returncode == 2
+            log = (workers.log_dir / "w1-1.log").read_text()
+            assert "refused worker id w1" in log
+            tokens, outcome = await collect(stream)
+            assert isinstance(outcome, DeliverFinished) and tokens == expected(
+                request("during", 150)
+            )
+            assert healthy(controller.statistics()) == {"w1": epoch}  # never disturbed
+            # a few refusals over its 2 s of grace (0.5-1 s apart, doubling), not a storm
+            assert 1 <= controller.refusals["w1"] <= 4
+            refused = controller.refusals["w1"]
+
+            taker = workers.spawn(port, "w1", prefill_ms=0, extra=("--take-over",))
+            await wait_until(controller, lambda s: healthy(s).get("w1", epoch) > epoch, 20)
+            with trio.fail_after(20):  # the replaced process reconnects, is refused, exits
+                while original.poll() is None:
+                    await trio.sleep(0.05)
+            assert original.returncode == 2 and taker.poll() is None
+            assert 1 <= controller.refusals["w1"] - refused <= 4
+            fresh = request("after-takeover", 20)
+            tokens, outcome = await collect(controller.submit(fresh))
+            assert tokens == expected(fresh) and isinstance(outcome, DeliverFinished)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_sigterm_drains_a_worker_and_it_exits_0(workers: Workers) -> None:
     async def main() -> None:
         controller = Controller(CONFIG)

@@ -222,6 +222,19 @@ MUTANTS = (
         "        # Its decoder is hung",
         "        return\n        # Its decoder is hung",
     ),
+    # Issue 16: worker ids and epochs handed out by the router.
+    Mutant(
+        "router lets a duplicate id evict the live worker",
+        "core/fleet.py",
+        "        if live and not takeover:\n",
+        "        if False:\n",
+    ),
+    Mutant(
+        "router takes a heartbeat from the future for a restart",
+        "core/fleet.py",
+        "        if beat.epoch > self.assigned.get(worker_id, beat.epoch):\n",
+        "        if False:\n",
+    ),
 )
 
 

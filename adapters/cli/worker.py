@@ -27,6 +27,15 @@ log = logging.getLogger("fencepost.worker")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connect", required=True, metavar="HOST:PORT", type=address)
     parser.add_argument("--worker-id", default=None, help="default: HOSTNAME-PID")
+    parser.add_argument(
+        "--take-over", action="store_true",
+        help="replace a live worker of the same id (default: exit, the id is taken)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--refused-grace", type=float, default=10.0, metavar="SECONDS",
+        help="when the router refuses the id, keep asking for this long (a previous "
+        "process of ours may not be seen dead yet), then exit 2 (default %(default)s)",
+    )  # fmt: skip
     parser.add_argument("--slots", type=int, default=16, help="concurrent sequences")
     parser.add_argument("--max-context", type=int, default=2048)
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, metavar="SECONDS")
@@ -83,15 +92,25 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_interval_s=args.heartbeat_interval,
     )
     host, port = args.connect
-    worker = RemoteWorker(host, port, config, decoder)
+    worker = RemoteWorker(
+        host, port, config, decoder, takeover=args.take_over, refused_grace_s=args.refused_grace
+    )
     trio.run(_serve, worker, args.drain_timeout)
+    if worker.refused is not None:
+        log.error("worker id %s is taken; exiting: %s", worker_id, worker.refused)
+        return 2
     return 0
 
 
 async def _serve(worker: RemoteWorker, drain_timeout_s: float) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(worker.run)
+
+            async def run_then_stop() -> None:
+                await worker.run()  # returns only when the router refused our id
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(run_then_stop)
             async for signum in signals:
                 log.info(
                     "%s: draining for up to %.1fs", signal.Signals(signum).name, drain_timeout_s

@@ -22,6 +22,7 @@ the first would have; decoders refuse a sampled request without a seed.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 from collections import Counter, deque
 from collections.abc import Hashable
@@ -43,6 +44,9 @@ from core.protocol import (
     FromWorker,
     FromWorkerMessage,
     GenerationRequest,
+    RegisterWorker,
+    Registration,
+    RouterEffect,
     RouterEvent,
     SendToWorker,
     Submit,
@@ -156,6 +160,8 @@ class Controller:
         self._accepting = True
         self._shutdown_message: str | None = None
         self._idle = trio.lowlevel.ParkingLot()
+        self.refusals: Counter[str] = Counter()
+        self._refusal_logged: dict[str, float] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the router's timers; start this in a nursery before submitting."""
@@ -203,6 +209,34 @@ class Controller:
 
     # --- the transport's side ---
 
+    def register(self, worker_id: str, takeover: bool = False) -> Registration:
+        """A connection opened as worker_id: the router hands out an epoch or refuses.
+
+        On success any connection still open under that id is closed (a takeover,
+        or an old process the router had stopped hearing from); a refusal is logged
+        once per interval per id, not once per attempt."""
+        answer: Registration | None = None
+        for effect in self.router.handle(RegisterWorker(worker_id, takeover), trio.current_time()):
+            if isinstance(effect, Registration):
+                answer = effect
+            else:
+                self._apply(effect)
+        assert answer is not None
+        if answer.epoch is None:
+            now = trio.current_time()
+            self.refusals[worker_id] += 1
+            if now - self._refusal_logged.get(worker_id, -math.inf) >= 10.0:
+                self._refusal_logged[worker_id] = now
+                log.warning(
+                    "refused a connection for worker %s (%d so far): %s",
+                    worker_id, self.refusals[worker_id], answer.reason,
+                )  # fmt: skip
+            return answer
+        old = self._links.pop(worker_id, None)
+        if old is not None:
+            old.close(f"replaced by epoch {answer.epoch}")
+        return answer
+
     def attach(self, link: WorkerLink) -> bool:
         """A worker connected. A newer epoch replaces an older link; otherwise refused."""
         current = self._links.get(link.worker_id)
@@ -230,17 +264,20 @@ class Controller:
 
     def _handle(self, event: RouterEvent) -> None:
         for effect in self.router.handle(event, trio.current_time()):
-            match effect:
-                case SendToWorker(worker_id, message):
-                    self._send(worker_id, message)
-                case DeliverToken():
-                    self._streams[effect.request_id].push(effect)
-                case DeliverFinished() | DeliverError():
-                    self._finish(effect)
-                case ArmTimer(key, deadline):
-                    self.timers.arm(key, deadline)
-                case DisarmTimer(key):
-                    self.timers.disarm(key)
+            self._apply(effect)
+
+    def _apply(self, effect: RouterEffect) -> None:
+        match effect:
+            case SendToWorker(worker_id, message):
+                self._send(worker_id, message)
+            case DeliverToken():
+                self._streams[effect.request_id].push(effect)
+            case DeliverFinished() | DeliverError():
+                self._finish(effect)
+            case ArmTimer(key, deadline):
+                self.timers.arm(key, deadline)
+            case DisarmTimer(key):
+                self.timers.disarm(key)
 
     def _send(self, worker_id: str, message: ToWorker) -> None:
         link = self._links.get(worker_id)

@@ -9,6 +9,7 @@ workers) is one of these with the torch engine as its decoder.
 
 from __future__ import annotations
 
+import msgspec
 import trio
 
 from adapters.runtime.controller import Controller
@@ -55,6 +56,10 @@ async def run_local_worker(
         controller.from_worker(config.worker_id, message)
         return True
 
+    registration = controller.register(config.worker_id)
+    if registration.epoch is None:
+        raise ValueError(registration.reason)
+    config = msgspec.structs.replace(config, epoch=registration.epoch)
     link = LocalLink(config.worker_id, config.epoch)
     host = WorkerHost(config, decoder, uplink)
     if not controller.attach(link):

@@ -1,9 +1,10 @@
 """Remote workers over TCP: length-prefixed msgpack frames of the core's wire messages.
 
-Router side (serve_workers): every connection must open with the worker's
-Heartbeat, which names its worker id and epoch; the connection then belongs to
-that (worker id, epoch). A newer epoch replaces an older connection of the same
-worker; an older or equal one is refused. Frames pass to the controller as
+Router side (serve_workers): every connection must open with Register, which
+names the worker id. The router hands out the epoch (Registered), or, when a
+live worker already serves under that id and this is no takeover, answers
+Refused and closes; the connection then belongs to that (worker id, epoch),
+and any older connection of the id is closed. Frames pass to the controller as
 they arrive. A malformed frame, a frame of the wrong direction, or a silent
 opening closes that connection alone, with the reason logged; the controller
 then hears WorkerGone and fails over or ends that worker's assignments.
@@ -12,17 +13,20 @@ Messages to a worker wait in a bounded outbox drained by one writer task; when
 the outbox is full the worker is not keeping up, and its connection is closed
 rather than allowed to grow memory.
 
-Worker side (RemoteWorker): connects, retrying with backoff; each connection is
-a fresh epoch (time-based and increasing, so a restarted process is always
-newer than the one it replaces). When a connection ends, everything its epoch
-held stops decoding, and the worker reconnects as a new epoch.
+Worker side (RemoteWorker): connects and registers, retrying with exponential
+backoff with jitter (50 ms doubling to 30 s; reset only by a session that
+lasted 10 s, so a worker that is replaced or closed at once does not storm
+the router); each connection is a fresh epoch handed out by the router, so no
+host clock matters. Refused, it stops and says why (`fencepost worker` exits
+2). When a connection ends, everything its epoch held stops decoding, and the
+worker reconnects as a new epoch.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -33,7 +37,15 @@ import trio
 from adapters.runtime.controller import Controller
 from adapters.runtime.loop import Mailbox
 from adapters.runtime.worker_host import Decoder, WorkerHost
-from core.protocol import AnyWireMessage, DecoderEvent, FromWorker, Heartbeat, ToWorker
+from core.protocol import (
+    AnyWireMessage,
+    DecoderEvent,
+    FromWorker,
+    Refused,
+    Register,
+    Registered,
+    ToWorker,
+)
 from core.wire import DEFAULT_MAX_FRAME_BYTES, FrameReader, WireError, encode_frame
 from core.worker import WorkerConfig
 
@@ -234,20 +246,26 @@ async def _serve_connection(
         census.unregistered -= 1
         registering = False
         if first is None:
-            raise LinkClosed("no heartbeat within the registration timeout")
+            raise LinkClosed("no Register within the registration timeout")
         hello = first[0]
-        if not isinstance(hello, Heartbeat):
-            raise LinkClosed(f"opened with {type(hello).__name__}, not a Heartbeat")
-        link = TcpLink(hello.worker_id, hello.epoch, limits.send_queue_messages)
+        if not isinstance(hello, Register):
+            raise LinkClosed(f"opened with {type(hello).__name__}, not a Register")
+        answer = controller.register(hello.worker_id, hello.takeover)
+        if answer.epoch is None:
+            with trio.move_on_after(1.0):
+                await stream.send_all(encode_frame(Refused(hello.worker_id, answer.reason)))
+            raise LinkClosed(f"refused as {hello.worker_id}: {answer.reason}")
+        link = TcpLink(hello.worker_id, answer.epoch, limits.send_queue_messages)
         if not controller.attach(link):
-            raise LinkClosed(f"worker {hello.worker_id} epoch {hello.epoch} is not newer")
+            raise LinkClosed(f"worker {hello.worker_id} epoch {answer.epoch} is not newer")
+        link.send(Registered(hello.worker_id, answer.epoch))
         log.info("worker %s epoch %d connected from %s", link.worker_id, link.epoch, peer)
         frames.reader.limit(limits.max_frame_bytes)
         idle = limits.idle_timeout_s
         frames.idle_timeout_s = (
             controller.router.config.heartbeat_timeout_s if idle is None else idle
         )
-        _pass_to_controller(controller, link, first)
+        _pass_to_controller(controller, link, first[1:])
         with link.scope:
             reason = await run_connection(
                 stream, frames, link.outbox, partial(_pass_to_controller, controller, link)
@@ -261,7 +279,10 @@ async def _serve_connection(
         if registering:
             census.unregistered -= 1
         who = f"worker {link.worker_id} epoch {link.epoch}" if link else peer
-        log.warning("connection of %s ended: %s", who, reason)
+        # A refusal is logged by the controller, once per interval per id.
+        (log.debug if reason.startswith("refused") else log.warning)(
+            "connection of %s ended: %s", who, reason
+        )
         if link is not None:
             link.close(reason)
             controller.detach(link, reason)
@@ -283,14 +304,10 @@ def _pass_to_controller(
 # --- worker side ---
 
 
-_last_epoch = 0
-
-
-def next_epoch() -> int:
-    """Milliseconds since 2020, and always more than the last one this process used."""
-    global _last_epoch
-    _last_epoch = max(_last_epoch + 1, int((time.time() - 1_577_836_800) * 1000))
-    return _last_epoch
+BACKOFF_START_S = 0.05
+BACKOFF_CAP_S = 30.0
+STEADY_SESSION_S = 10.0  # a session this long resets the reconnect backoff
+REFUSED_RETRY_S = 1.0  # after a refusal, ask again no sooner than this
 
 
 class RemoteWorker:
@@ -303,8 +320,13 @@ class RemoteWorker:
         config: WorkerConfig,
         decoder: Decoder,
         limits: TransportLimits | None = None,
+        takeover: bool = False,
+        refused_grace_s: float = 10.0,
     ) -> None:
         self.address = (host, port)
+        self.takeover = takeover
+        self.refused_grace_s = refused_grace_s
+        self.refused: str | None = None  # the router refused our id: stop, say why
         self.config = config
         self.decoder = decoder
         self.limits = limits or TransportLimits()
@@ -317,17 +339,38 @@ class RemoteWorker:
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.decoder.run, self._emit, self._pace)
-            backoff_s = 0.05
+            backoff_s = BACKOFF_START_S
+            first_refusal: float | None = None
             while True:
                 try:
                     stream = await trio.open_tcp_stream(*self.address)
                 except OSError as error:
                     log.warning("cannot reach the router at %s:%d: %s", *self.address, error)
-                    await trio.sleep(backoff_s)
-                    backoff_s = min(2.0, backoff_s * 2)
+                    await trio.sleep(backoff_s * random.uniform(0.5, 1.0))
+                    backoff_s = min(BACKOFF_CAP_S, backoff_s * 2)
                     continue
-                backoff_s = 0.05
+                began = trio.current_time()
                 await self._session(stream)
+                if self.refused is not None:
+                    # The id is taken. It may be our own previous process, which the
+                    # router has not yet seen die (a host that rebooted sends no
+                    # FIN): ask again a few times, then give up and say why.
+                    now = trio.current_time()
+                    first_refusal = now if first_refusal is None else first_refusal
+                    if now - first_refusal >= self.refused_grace_s:
+                        break
+                    backoff_s = max(backoff_s, REFUSED_RETRY_S)
+                    self.refused = None
+                    await trio.sleep(backoff_s * random.uniform(0.5, 1.0))
+                    backoff_s = min(BACKOFF_CAP_S, backoff_s * 2)
+                    continue
+                first_refusal = None
+                if trio.current_time() - began >= STEADY_SESSION_S:
+                    backoff_s = BACKOFF_START_S  # it served a while: come back at once
+                else:  # closed soon after connecting (replaced, refused...): back off
+                    await trio.sleep(backoff_s * random.uniform(0.5, 1.0))
+                    backoff_s = min(BACKOFF_CAP_S, backoff_s * 2)
+            nursery.cancel_scope.cancel()
 
     async def drain(self, grace_s: float) -> None:
         """Take no new work; wait up to grace_s for held assignments to finish and go out."""
@@ -353,11 +396,41 @@ class RemoteWorker:
             self.host.on_decoder_events(events)
         # else: between connections; the new epoch never started these
 
+    async def _register(self, stream: trio.SocketStream, frames: FrameStream) -> int | None:
+        """Ask the router for an epoch; None if it did not answer (or refused: then
+        `refused` says why and the worker stops)."""
+        worker_id = self.config.worker_id
+        try:
+            await stream.send_all(encode_frame(Register(worker_id, self.takeover)))
+            reply: list[AnyWireMessage] | None = None
+            with trio.move_on_after(self.limits.registration_timeout_s):
+                reply = await frames.receive()
+        except (LinkClosed, trio.BrokenResourceError, trio.ClosedResourceError) as error:
+            log.warning("registering as %s failed: %s", worker_id, error)
+            return None
+        if reply is None:
+            log.warning("the router did not answer the registration of %s", worker_id)
+            return None
+        answer = reply[0]
+        if isinstance(answer, Refused):
+            log.error("the router refused worker id %s: %s", worker_id, answer.reason)
+            self.refused = answer.reason
+            return None
+        if not isinstance(answer, Registered) or answer.worker_id != worker_id:
+            log.warning("the router answered the registration with %r", answer)
+            return None
+        return answer.epoch
+
     async def _session(self, stream: trio.SocketStream) -> None:
-        config = msgspec.structs.replace(self.config, epoch=next_epoch())
+        frames = FrameStream(stream, self.limits.max_frame_bytes)
+        epoch = await self._register(stream, frames)
+        if epoch is None:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+            return
+        config = msgspec.structs.replace(self.config, epoch=epoch)
         outbox: Mailbox[AnyWireMessage] = Mailbox(self.limits.send_queue_messages)
         host = WorkerHost(config, self.decoder, outbox.put)
-        frames = FrameStream(stream, self.limits.max_frame_bytes)
         self.host, self._outbox = host, outbox
         self.sessions += 1
         reason = "closed"
