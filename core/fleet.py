@@ -72,6 +72,7 @@ class HoldRecord:
     request_id: str
     state: Hold
     missing_since: float | None = None  # when a heartbeat first left it out
+    taken_after: int = -1  # the worker took it after sending this heartbeat (seq)
 
 
 @dataclass(slots=True)
@@ -229,6 +230,8 @@ class Fleet:
         for assignment, record in list(worker.holds.items()):
             if assignment in listed or record.state in (Hold.OFFERED, Hold.DRAINING_OFFER):
                 continue  # listed, or the worker may not have seen the offer yet
+            if beat.seq <= record.taken_after:
+                continue  # sent before the worker took it (it was overtaken on the way)
             if self.move(worker, assignment, HoldEvent.ABSENT) is not Hold.MISSING:
                 continue  # a draining hold: the worker let go
             # The worker has let go of it: its last tokens or Finished are in flight, or
@@ -309,6 +312,13 @@ class Fleet:
         """The router cancelled the assignment: the hold drains until the worker lets go."""
         worker = self.workers.get(worker_id)
         return None if worker is None else self.move(worker, assignment, HoldEvent.UNWANTED)
+
+    def taken_after(self, worker_id: str, assignment: Assignment, seq: int) -> None:
+        """The worker says it took the assignment after its heartbeat `seq`."""
+        worker = self.workers.get(worker_id)
+        record = worker.holds.get(assignment) if worker is not None else None
+        if record is not None:
+            record.taken_after = max(record.taken_after, seq)
 
     def confirm(self, worker_id: str, assignment: Assignment) -> None:
         self.move(self.workers[worker_id], assignment, HoldEvent.CONFIRMED)

@@ -125,6 +125,10 @@ class OfferResult(WireMessage, frozen=True):
     assignment: Assignment
     accepted: bool
     reason: DeclineReason | None = None
+    # The worker's last heartbeat sequence number when it answered: a heartbeat up to
+    # that number was sent before the assignment was taken, so its silence about it
+    # says nothing.
+    seq: Count = 0
 
 
 class Token(WireMessage, frozen=True):

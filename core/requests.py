@@ -159,6 +159,8 @@ class Requests:
             req.finish = finished  # its last tokens are still in flight
 
     def on_offer_result(self, worker_id: str, result: OfferResult, out: list[RouterEffect]) -> None:
+        if result.accepted:
+            self.fleet.taken_after(worker_id, result.assignment, result.seq)
         req = self._fence(worker_id, result.assignment)
         if req is None:
             released = not result.accepted

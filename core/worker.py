@@ -212,7 +212,9 @@ class Worker:
         answer = self._answers.get(assignment)
         if answer is None and assignment in self._active:
             # Still running, its answer long out of the bounded table: the same answer.
-            answer = OfferResult(self.config.worker_id, self.config.epoch, assignment, True)
+            answer = OfferResult(
+                self.config.worker_id, self.config.epoch, assignment, True, seq=self._seq
+            )
         if answer is None:
             answer = self._decide(offer, out)
             self._remember(answer)
@@ -242,7 +244,8 @@ class Worker:
         self._active[offer.assignment] = _Active(offer.request.max_new_tokens, prefix)
         self._accepted += 1
         out.append(StartDecode(offer.assignment, offer.request))
-        return OfferResult(self.config.worker_id, self.config.epoch, offer.assignment, True)
+        config = self.config
+        return OfferResult(config.worker_id, config.epoch, offer.assignment, True, seq=self._seq)
 
     def _on_cancel(self, assignment: Assignment, out: list[WorkerEffect]) -> None:
         state = self.state_of(assignment)

@@ -22,6 +22,8 @@ from core.protocol import (
     OfferResult,
     OfferTimer,
     ProgressTimer,
+    RegisterWorker,
+    Registration,
     Resend,
     RouterEffect,
     Sampling,
@@ -556,3 +558,24 @@ def test_a_stream_whose_decoder_hangs_resumes_elsewhere_and_its_worker_gets_no_o
     # after stuck_probe_s a heartbeat gives it another chance
     beat(router, "w1", now=14.6, seq=3)
     assert {v.worker_id for v in router.statistics().workers if v.healthy} == {"w1", "w2"}
+
+
+def test_epochs_are_handed_out_and_a_heartbeat_from_the_future_changes_nothing() -> None:
+    router = Router(RouterConfig())
+    [first] = router.handle(RegisterWorker("w1"), 0.0)
+    assert first == Registration("w1", 0)
+    beat(router, "w1", epoch=0)
+    router.handle(Submit(request("a")), 0.0)
+    # a second process under the live id is refused, and nothing changes
+    [refused] = router.handle(RegisterWorker("w1"), 0.1)
+    assert refused.epoch is None and "w1" in refused.reason
+    # a heartbeat naming an epoch never handed out (a clock ahead) is fenced
+    assert beat(router, "w1", now=0.2, epoch=1_000, seq=1) == []
+    assert router.statistics().fenced["unknown_epoch"] == 1
+    assert router.worker_clock("w1") == (0, 1, True) and router.holders("a") == ["w1"]
+    # a takeover marks the old epoch gone (its attempt fails over) and hands out the next
+    effects = router.handle(RegisterWorker("w1", takeover=True), 0.3)
+    assert effects[-1] == Registration("w1", 1)
+    assert router.worker_clock("w1") == (0, 1, False)
+    beat(router, "w1", now=0.4, epoch=1)
+    assert router.worker_clock("w1") == (1, 1, True)

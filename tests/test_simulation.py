@@ -32,6 +32,14 @@ REGRESSION_SEEDS = [
         "output and reports it failed",
     ),
     (
+        4679,
+        STANDARD,
+        "a heartbeat sent just before the worker took an assignment arrived after the "
+        "client had cancelled it: its silence released the draining slot, the router "
+        "offered a slot the worker still filled, and the offer was declined for nothing; "
+        "an OfferResult now says after which heartbeat the worker took the assignment",
+    ),
+    (
         6698,
         Scenario(),
         "a resumed stream queued for a slot when the last fitting worker went away was "
