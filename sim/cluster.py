@@ -178,17 +178,8 @@ class Cluster:
 
     def register(self, worker_id: str) -> int | None:
         """A process connects as worker_id: the router hands out an epoch, or refuses."""
-        answer: Registration | None = None
-        effects = self.router.handle(RegisterWorker(worker_id), self.clock.now)
-        if self.trace is not None:
-            self.trace(f"{self.now:9.4f} router  register {worker_id} -> {_show_all(effects)}")
-        for effect in effects:
-            if isinstance(effect, Registration):
-                answer = effect
-            else:
-                self._apply_router_effect(effect)
-        self.oracles.after_router(RegisterWorker(worker_id), effects, None, self.clock.now)
-        assert answer is not None
+        effects = self._run_router(RegisterWorker(worker_id))
+        [answer] = [e for e in effects if isinstance(e, Registration)]
         return answer.epoch
 
     def start_worker(self, worker_id: str, slots: int | None = None) -> bool:
@@ -513,7 +504,7 @@ class Cluster:
         self._packet_ids += 1
         self.on_send(Packet(self._packet_ids, source, to, message))
 
-    def _run_router(self, event: RouterEvent) -> None:
+    def _run_router(self, event: RouterEvent) -> list[RouterEffect]:
         before = self.oracles.before_router(event)
         effects = self.router.handle(event, self.clock.now)
         if self.trace is not None:
@@ -521,6 +512,7 @@ class Cluster:
         for effect in effects:
             self._apply_router_effect(effect)
         self.oracles.after_router(event, effects, before, self.clock.now)
+        return effects
 
     def _apply_router_effect(self, effect: RouterEffect) -> None:
         match effect:

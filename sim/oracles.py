@@ -275,7 +275,6 @@ class Oracles:
                 where = last.worker_id if last else "no worker"
                 self._violation(f"{request_id}: failed on {where} without a decoder fault there")
             return
-        assert tally is not None or last is None
         spent = tally is not None and (
             tally.resumes >= self.config.max_resumes
             if self.cluster.streams[request_id].tokens

@@ -215,13 +215,10 @@ class Controller:
         On success any connection still open under that id is closed (a takeover,
         or an old process the router had stopped hearing from); a refusal is logged
         once per interval per id, not once per attempt."""
-        answer: Registration | None = None
-        for effect in self.router.handle(RegisterWorker(worker_id, takeover), trio.current_time()):
-            if isinstance(effect, Registration):
-                answer = effect
-            else:
-                self._apply(effect)
-        assert answer is not None
+        effects = self.router.handle(RegisterWorker(worker_id, takeover), trio.current_time())
+        for effect in effects:
+            self._apply(effect)  # a takeover's lost attempts; the answer itself is ours
+        [answer] = [e for e in effects if isinstance(e, Registration)]
         if answer.epoch is None:
             now = trio.current_time()
             self.refusals[worker_id] += 1
@@ -278,6 +275,8 @@ class Controller:
                 self.timers.arm(key, deadline)
             case DisarmTimer(key):
                 self.timers.disarm(key)
+            case Registration():
+                pass  # the answer to register(), which reads it there
 
     def _send(self, worker_id: str, message: ToWorker) -> None:
         link = self._links.get(worker_id)

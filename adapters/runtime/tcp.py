@@ -346,8 +346,7 @@ class RemoteWorker:
                     stream = await trio.open_tcp_stream(*self.address)
                 except OSError as error:
                     log.warning("cannot reach the router at %s:%d: %s", *self.address, error)
-                    await trio.sleep(backoff_s * random.uniform(0.5, 1.0))
-                    backoff_s = min(BACKOFF_CAP_S, backoff_s * 2)
+                    backoff_s = await _back_off(backoff_s)
                     continue
                 began = trio.current_time()
                 await self._session(stream)
@@ -361,15 +360,13 @@ class RemoteWorker:
                         break
                     backoff_s = max(backoff_s, REFUSED_RETRY_S)
                     self.refused = None
-                    await trio.sleep(backoff_s * random.uniform(0.5, 1.0))
-                    backoff_s = min(BACKOFF_CAP_S, backoff_s * 2)
+                    backoff_s = await _back_off(backoff_s)
                     continue
                 first_refusal = None
                 if trio.current_time() - began >= STEADY_SESSION_S:
                     backoff_s = BACKOFF_START_S  # it served a while: come back at once
                 else:  # closed soon after connecting (replaced, refused...): back off
-                    await trio.sleep(backoff_s * random.uniform(0.5, 1.0))
-                    backoff_s = min(BACKOFF_CAP_S, backoff_s * 2)
+                    backoff_s = await _back_off(backoff_s)
             nursery.cancel_scope.cancel()
 
     async def drain(self, grace_s: float) -> None:
@@ -459,6 +456,13 @@ class RemoteWorker:
             self.host, self._outbox = None, None
             with trio.CancelScope(shield=True):
                 await stream.aclose()
+
+
+async def _back_off(backoff_s: float) -> float:
+    """Wait between half and all of backoff_s (the jitter keeps many workers from
+    coming back in step); returns the next wait, doubled up to the cap."""
+    await trio.sleep(backoff_s * random.uniform(0.5, 1.0))
+    return min(BACKOFF_CAP_S, backoff_s * 2)
 
 
 def _pass_to_host(host: WorkerHost, messages: list[AnyWireMessage]) -> None:
