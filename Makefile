@@ -30,7 +30,7 @@ bench: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/fencepost serve
 
-# The long pre-release sweep: three cluster shapes, roughly half an hour.
+# The long pre-release sweep: three cluster shapes, roughly 20-25 minutes on one core.
 sweep: $(STAMP)
 	$(BIN)/fencepost sim --seeds 20000 --start 1000
 	$(BIN)/fencepost sim --seeds 5000 --workers 1 --requests 12
