@@ -395,3 +395,86 @@ def test_sampled_requests_without_a_seed_get_one_and_differ(server: ServerThread
               for _ in range(2)]  # fmt: skip
     contents = {r["choices"][0]["message"]["content"] for r in seeded}
     assert len(contents) == 1
+
+
+def read_until_eof(sock: socket.socket, timeout_s: float) -> tuple[bytes, float | None]:
+    """Everything the server sends, and when it closed (None: still open at timeout)."""
+    sock.settimeout(0.05)
+    start, data = time.monotonic(), b""
+    while time.monotonic() - start < timeout_s:
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            return data, time.monotonic() - start
+        if not chunk:
+            return data, time.monotonic() - start
+        data += chunk
+    return data, None
+
+
+def test_an_unfinished_body_gets_a_408_and_the_socket_is_closed_at_once() -> None:
+    options = ServeOptions(port=0, fake=True, limits=HttpLimits(body_timeout_s=0.5))
+    with ServerThread(options) as server:
+        sock = socket.create_connection(("127.0.0.1", server.serving.http_port))
+        with sock:
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"mo'
+            )
+            data, closed_after = read_until_eof(sock, timeout_s=5)
+            head, _, body = data.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 408"), data
+            assert json.loads(body)["error"]["type"] == "invalid_request_error"
+            # The 408 comes after the body timeout, the close within a second of it.
+            assert closed_after is not None, "the server kept the socket after its 408"
+            assert closed_after < 0.5 + 1.0, closed_after
+        # The server is unharmed and serves the next client.
+        assert post(server, chat_body(max_tokens=3)).status_code == 200
+
+
+def test_bytes_past_the_declared_body_are_refused_and_the_socket_closed() -> None:
+    with ServerThread(ServeOptions(port=0, fake=True)) as server:
+        payload = json.dumps(chat_body(max_tokens=3)).encode()
+        sock = socket.create_connection(("127.0.0.1", server.serving.http_port))
+        with sock:
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\n"
+                + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                + payload
+                + b"not a request at all\r\n\r\n"
+            )
+            data, closed_after = read_until_eof(sock, timeout_s=5)
+        # The declared request is answered; what follows it is not HTTP, gets
+        # a 400, and the connection ends there.
+        assert data.startswith(b"HTTP/1.1 200"), data
+        assert b"HTTP/1.1 400" in data, data
+        assert closed_after is not None and closed_after < 1.0, closed_after
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_its_timeout() -> None:
+    with ServerThread(ServeOptions(port=0, fake=True, keep_alive_timeout_s=0.5)) as server:
+        payload = json.dumps(chat_body(max_tokens=3)).encode()
+        sock = socket.create_connection(("127.0.0.1", server.serving.http_port))
+        with sock:
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\n"
+                + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                + payload
+            )
+            data, closed_after = read_until_eof(sock, timeout_s=5)
+        assert data.startswith(b"HTTP/1.1 200"), data
+        assert closed_after is not None and 0.3 < closed_after < 2.0, closed_after
+        # Headers that never end are cut by the same timer, however they trickle.
+        sock = socket.create_connection(("127.0.0.1", server.serving.http_port))
+        with sock:
+            start = time.monotonic()
+            for part in (b"POST /v1/chat/completions HTTP/1.1\r\n", b"Host: 127.0.0.1\r\n"):
+                sock.sendall(part)
+                time.sleep(0.2)
+            data, closed_after = read_until_eof(sock, timeout_s=5)
+            assert data == b"" and closed_after is not None
+            assert time.monotonic() - start < 2.0

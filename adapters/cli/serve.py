@@ -252,7 +252,7 @@ async def serve(
         async def run_http(*, task_status: trio.TaskStatus[list[str]]) -> None:
             try:
                 await hypercorn_serve(
-                    app.quart,
+                    app.asgi,
                     config,
                     shutdown_trigger=http_stop.wait,
                     task_status=task_status,

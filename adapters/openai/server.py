@@ -213,6 +213,28 @@ class FencepostApp:
         self.created = int(time.time())
         self.quart = self._build()
 
+    async def asgi(self, scope: Any, receive: Any, send: Any) -> None:
+        """The ASGI entry point Hypercorn serves (the Quart app, with one fix).
+
+        A response's last message makes Hypercorn finish the exchange inside
+        that send: start the next keep-alive cycle, or, when the client's body
+        is unfinished (a 408 or 413 before it all arrived), shut the socket.
+        Quart-trio cancels its request task as soon as Hypercorn reports the
+        exchange over, which lands in the middle of that very send, so the
+        shutdown was cut short and the socket stayed open until the client
+        left. The last send is therefore shielded; it does no unbounded
+        waiting that is not already shielded inside Hypercorn.
+        """
+
+        async def send_last_shielded(message: Any) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                with trio.CancelScope(shield=True):
+                    await send(message)
+            else:
+                await send(message)
+
+        await self.quart(scope, receive, send_last_shielded)
+
     def _build(self) -> QuartTrio:
         app = QuartTrio("fencepost")
         app.config["MAX_CONTENT_LENGTH"] = self.limits.max_body_bytes
