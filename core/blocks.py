@@ -35,13 +35,14 @@ ROOT_HASH = 0
 
 
 def block_hash(parent: int, tokens: Sequence[int]) -> int:
-    """The chain key of one full block: 64 bits of blake2b over the parent key and
-    the block's token ids (stable across processes and runs, unlike hash())."""
+    """The chain key of one full block: 63 bits of blake2b over the parent key and
+    the block's token ids (stable across processes and runs, unlike hash(); 63
+    so that it travels as a non-negative int64)."""
     digest = hashlib.blake2b(digest_size=8)
     digest.update(parent.to_bytes(8, "little"))
     for token in tokens:
         digest.update(token.to_bytes(4, "little"))
-    return int.from_bytes(digest.digest(), "little")
+    return int.from_bytes(digest.digest(), "little") >> 1
 
 
 def chain_hashes(tokens: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:

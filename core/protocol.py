@@ -158,8 +158,32 @@ class Finished(WireMessage, frozen=True):
     completion_tokens: Count
 
 
+CacheKey = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+MAX_CACHE_KEYS = 512
+
+
+class CacheReport(Struct, frozen=True, array_like=True):
+    """What a worker's prefix cache holds, carried in its heartbeats (core/blocks.py).
+
+    keys are chain keys of full blocks (block_hash), most useful first; a
+    router that finds a request's leading chain keys here may expect that many
+    tokens to be reused. It is a hint: possibly stale, never trusted for
+    correctness. prefill_rate is the worker's measured prefill speed in tokens
+    per second (0: not measured yet); prompt_tokens and computed_tokens count,
+    over the worker process's life, context tokens submitted for prefill and
+    those actually computed (the rest came from the cache).
+    """
+
+    block_size: Positive
+    keys: Annotated[tuple[CacheKey, ...], Meta(max_length=MAX_CACHE_KEYS)] = ()
+    prefill_rate: Annotated[float, Meta(ge=0.0, le=1e12)] = 0.0
+    prompt_tokens: Count = 0
+    computed_tokens: Count = 0
+
+
 class Heartbeat(WireMessage, frozen=True):
-    """Worker -> router: liveness, capacity, and the assignments the worker holds."""
+    """Worker -> router: liveness, capacity, the assignments the worker holds, and
+    (when its decoder has a prefix cache) what that cache holds."""
 
     worker_id: WorkerId
     epoch: Count
@@ -168,6 +192,7 @@ class Heartbeat(WireMessage, frozen=True):
     free_slots: Count
     max_context: Count
     active: tuple[Assignment, ...] = ()
+    cache: CacheReport | None = None
 
 
 class Register(WireMessage, frozen=True):

@@ -40,6 +40,7 @@ from msgspec import Struct
 from core.protocol import (
     ArmTimer,
     Assignment,
+    CacheReport,
     Cancel,
     DeclineReason,
     Decoded,
@@ -110,6 +111,7 @@ class Worker:
         self._accepted = 0
         self._tokens_sent = 0
         self.draining = False
+        self.cache: CacheReport | None = None  # the decoder's latest, sent with heartbeats
 
     @property
     def free_slots(self) -> int:
@@ -312,4 +314,5 @@ class Worker:
             free_slots=0 if self.draining else self.free_slots,
             max_context=self.config.max_context,
             active=tuple(self._active),
+            cache=self.cache,
         )

@@ -31,6 +31,7 @@ from core.fake_model import FakeDecode
 from core.protocol import (
     ArmTimer,
     Assignment,
+    CacheReport,
     DecoderEvent,
     DisarmTimer,
     Drain,
@@ -65,6 +66,11 @@ class Decoder(Protocol):
     def start(self, assignment: Assignment, request: GenerationRequest) -> None: ...
 
     def stop(self, assignment: Assignment) -> None: ...
+
+    def cache_report(self) -> CacheReport | None:
+        """What the decoder's prefix cache holds now (None: it has none). Called on
+        the event loop before each heartbeat, so it must be cheap: a snapshot."""
+        ...
 
     async def run(
         self,
@@ -117,6 +123,8 @@ class WorkerHost:
         self.feed(TimerFired(key))  # type: ignore[arg-type]
 
     def _handle(self, event: WorkerEvent) -> None:
+        if isinstance(event, TimerFired | WorkerStart):  # a heartbeat may go out
+            self.worker.cache = self.decoder.cache_report()
         for effect in self.worker.handle(event, trio.current_time()):
             match effect:
                 case SendToRouter(message):
@@ -173,6 +181,9 @@ class FakeDecoder:
 
     def stop(self, assignment: Assignment) -> None:
         self._running.pop(assignment, None)
+
+    def cache_report(self) -> CacheReport | None:
+        return None
 
     async def run(
         self,
@@ -262,6 +273,9 @@ class EngineDecoder:
     def stop(self, assignment: Assignment) -> None:
         if self._thread is not None:
             self._thread.stop(assignment)
+
+    def cache_report(self) -> CacheReport | None:
+        return None
 
     async def run(
         self,
