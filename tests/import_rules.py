@@ -1,6 +1,7 @@
 """The layering rule, checked from source: core is pure, sim drives core, adapters do IO.
 
-core/ may import only a small allowlist (typing helpers, containers, msgspec and
+core/ may import only a small allowlist (typing helpers, containers, msgspec,
+hashlib for the KV cache's chain keys (a pure function of its input), and
 core itself); the modules the design forbids by name are listed separately so
 a violation reads as what it is. sim/ may import core, sim and the standard
 library, never adapters or a third-party package.
@@ -30,7 +31,7 @@ CORE_FORBIDDEN = frozenset(
 CORE_ALLOWED = frozenset(
     {
         "__future__", "typing", "enum", "dataclasses", "collections", "abc", "functools",
-        "itertools", "heapq", "bisect", "math", "msgspec", "core",
+        "itertools", "heapq", "bisect", "math", "hashlib", "msgspec", "core",
     }
 )  # fmt: skip
 SIM_ALLOWED_PACKAGES = frozenset({"core", "sim"})
