@@ -54,6 +54,8 @@ class ServeOptions:
     weights: str = "auto"
     fake: bool = False
     fake_step_ms: float = 0.0
+    fake_prefill_ms_per_token: float = 0.0
+    prefix_cache: bool = True
     drain_timeout_s: float = 30.0
     heartbeat_timeout_s: float = 3.0
     max_resumes: int = 2
@@ -82,6 +84,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_weights_argument(parser)
     parser.add_argument("--fake", action="store_true", help="a fake model: instant made-up words")
     parser.add_argument("--fake-step-ms", type=float, default=0.0)
+    parser.add_argument(
+        "--fake-prefill-ms-per-token", type=float, default=0.0, metavar="MS",
+        help="the fake decoder's first token waits this per context token not found in "
+        "its prefix cache",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-prefix-cache", dest="no_prefix_cache", action="store_true",
+        help="reuse no cached prompt prefix: every request computes its whole context",
+    )  # fmt: skip
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS")
     parser.add_argument("--heartbeat-timeout", type=float, default=3.0, metavar="SECONDS")
     parser.add_argument(
@@ -141,6 +152,8 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
         weights=args.weights,
         fake=args.fake,
         fake_step_ms=args.fake_step_ms,
+        fake_prefill_ms_per_token=args.fake_prefill_ms_per_token,
+        prefix_cache=not args.no_prefix_cache,
         drain_timeout_s=args.drain_timeout,
         heartbeat_timeout_s=args.heartbeat_timeout,
         max_resumes=args.max_resumes,
@@ -166,7 +179,15 @@ def build_model(options: ServeOptions) -> tuple[ServedModel, Decoder | None]:
     """The served model's boundary half, and the decoder for an in-process worker."""
     if options.fake:
         name = options.served_model_name or "fake"
-        decoder = FakeDecoder(options.fake_step_ms / 1000) if options.local_worker else None
+        decoder = (
+            FakeDecoder(
+                options.fake_step_ms / 1000,
+                prefill_s_per_token=options.fake_prefill_ms_per_token / 1000,
+                prefix_caching=options.prefix_cache,
+            )
+            if options.local_worker
+            else None
+        )
         return FakeChatModel(name, options.max_context), decoder
     from adapters.engine.model import load_model
 

@@ -48,6 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--fake-step-ms", type=float, default=0.0)
     parser.add_argument("--fake-prefill-ms", type=float, default=0.0)
+    parser.add_argument(
+        "--fake-prefill-ms-per-token", type=float, default=0.0, metavar="MS",
+        help="... and this per context token not found in its prefix cache",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-prefix-cache", dest="no_prefix_cache", action="store_true",
+        help="reuse no cached prompt prefix: every request computes its whole context",
+    )  # fmt: skip
     parser.add_argument("--fake-ignore-eos", action="store_true", help="fixed-length outputs")
     parser.add_argument(
         "--fake-hang-after", type=int, default=None, metavar="STEPS",
@@ -77,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
             args.fake_prefill_ms / 1000,
             args.fake_ignore_eos,
             args.fake_hang_after,
+            prefill_s_per_token=args.fake_prefill_ms_per_token / 1000,
+            prefix_caching=not args.no_prefix_cache,
         )
         max_context = args.max_context
     else:
