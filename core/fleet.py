@@ -21,14 +21,17 @@ router's business: the methods here return what happened, and Router acts.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from msgspec import Struct
 
+from core.blocks import chain_hashes
 from core.protocol import (
     ArmTimer,
     Assignment,
+    CacheReport,
     Cancel,
     Heartbeat,
     LivenessTimer,
@@ -57,6 +60,27 @@ class RequestSide(Protocol):
     def dropped(self, request_id: str, out: list[RouterEffect]) -> None: ...
 
 
+class Chain:
+    """A request's context tokens and, computed once per block size, their chain keys
+    (core/blocks.py), to look up in workers' cache reports."""
+
+    __slots__ = ("_keys", "tokens")
+
+    def __init__(self, tokens: Sequence[int]) -> None:
+        self.tokens: Sequence[int] = tokens
+        self._keys: dict[int, list[int]] = {}
+
+    def keys(self, block_size: int) -> list[int]:
+        keys = self._keys.get(block_size)
+        if keys is None:
+            keys = self._keys[block_size] = chain_hashes(self.tokens, block_size)
+        return keys
+
+
+Placement = tuple["WorkerRecord", int]
+"""A worker chosen for an attempt, and the tokens it is predicted to prefill."""
+
+
 class WorkerView(Struct, frozen=True):
     worker_id: str
     epoch: int
@@ -65,12 +89,15 @@ class WorkerView(Struct, frozen=True):
     held: int
     reported_free_slots: int
     max_context: int
+    placed: int = 0  # attempts offered to this worker id
+    cache: CacheReport | None = None  # its latest cache report, as received
 
 
 @dataclass(slots=True)
 class HoldRecord:
     request_id: str
     state: Hold
+    prefill: int = 0  # tokens predicted to prefill, until the attempt's first token
     missing_since: float | None = None  # when a heartbeat first left it out
     taken_after: int = -1  # the worker took it after sending this heartbeat (seq)
 
@@ -89,6 +116,10 @@ class WorkerRecord:
     gone_epoch: int = -1  # the transport lost this epoch: it may not come back
     stuck_until: float = 0.0  # while stuck: when a heartbeat may give it another chance
     holds: dict[Assignment, HoldRecord] = field(default_factory=dict)
+    cache: CacheReport | None = None  # the latest report of this epoch's process
+    cache_keys: frozenset[int] = frozenset()  # cache.keys, as a set
+    cache_seen_at: float = 0.0  # when that heartbeat arrived
+    placed: int = 0  # attempts offered to this worker id, over the router's life
 
     @property
     def healthy(self) -> bool:
@@ -165,6 +196,9 @@ class Fleet:
         elif worker.health is Health.STUCK and self.now >= worker.stuck_until:
             event = HealthEvent.PROBE_DUE
         worker.seq = beat.seq
+        worker.cache = beat.cache
+        worker.cache_keys = frozenset(beat.cache.keys) if beat.cache is not None else frozenset()
+        worker.cache_seen_at = self.now
         worker.slots = beat.slots
         worker.free_slots = beat.free_slots
         worker.max_context = beat.max_context
@@ -281,11 +315,19 @@ class Fleet:
     # --- holds ---
 
     @staticmethod
-    def take(worker: WorkerRecord, assignment: Assignment, request_id: str) -> None:
+    def take(worker: WorkerRecord, assignment: Assignment, request_id: str, prefill: int) -> None:
         """An offer went out: the slot counts as taken from now on."""
         worker.holds[assignment] = HoldRecord(
-            request_id, HOLD.next(Hold.FREE, HoldEvent.OFFER_SENT)
+            request_id, HOLD.next(Hold.FREE, HoldEvent.OFFER_SENT), prefill
         )
+        worker.placed += 1
+
+    def first_token(self, worker_id: str, assignment: Assignment) -> None:
+        """The attempt is past its prefill: no longer work queued ahead on that worker."""
+        worker = self.workers.get(worker_id)
+        record = worker.holds.get(assignment) if worker is not None else None
+        if record is not None:
+            record.prefill = 0
 
     def move(self, worker: WorkerRecord, assignment: Assignment, event: HoldEvent) -> Hold | None:
         """Move one hold; None if the worker has no hold for that assignment."""
@@ -338,18 +380,43 @@ class Fleet:
         return [w for w in self.workers.values() if w.healthy and w.max_context >= context_tokens]
 
     def candidate(
-        self, context_tokens: int, tried: set[str], exclude: str | None
-    ) -> WorkerRecord | None:
-        """Healthy, fitting, a free slot; untried first, then fewest holds, then id."""
-        best: WorkerRecord | None = None
-        best_key: tuple[bool, int, str] | None = None
+        self, context_tokens: int, context: Chain, tried: set[str], exclude: str | None
+    ) -> Placement | None:
+        """Healthy, fitting, a free slot; untried first, then (cache-aware) the least
+        predicted time to first token, then fewest holds, then id. Returns the
+        worker and the tokens it is predicted to prefill."""
+        best: Placement | None = None
+        best_key: tuple[bool, float, int, str] | None = None
+        aware = self.config.routing == "cache-aware"
         for worker in self.fitting(context_tokens):
             if worker.worker_id == exclude or len(worker.holds) >= worker.slots:
                 continue
-            key = (worker.worker_id in tried, len(worker.holds), worker.worker_id)
+            prefill = len(context.tokens) - (self.cached_tokens(worker, context) if aware else 0)
+            predicted = 0.0
+            if aware:
+                ahead = sum(record.prefill for record in worker.holds.values())
+                rate = (worker.cache.prefill_rate if worker.cache else 0.0) or (
+                    self.config.default_prefill_rate
+                )
+                predicted = (ahead + prefill) / rate
+            key = (worker.worker_id in tried, predicted, len(worker.holds), worker.worker_id)
             if best_key is None or key < best_key:
-                best, best_key = worker, key
+                best, best_key = (worker, prefill), key
         return best
+
+    def cached_tokens(self, worker: WorkerRecord, context: Chain) -> int:
+        """Tokens of `context` the worker's last report says it can reuse: leading
+        whole blocks found among its keys (0 for a report too old to trust)."""
+        report = worker.cache
+        if report is None or self.now - worker.cache_seen_at > self.config.cache_report_max_age_s:
+            return 0
+        keys = worker.cache_keys
+        found = 0
+        for key in context.keys(report.block_size):
+            if key not in keys:
+                break
+            found += 1
+        return min(found * int(report.block_size), len(context.tokens) - 1)
 
     # --- reading ---
 
@@ -363,6 +430,8 @@ class Fleet:
                 held=len(w.holds),
                 reported_free_slots=w.free_slots,
                 max_context=w.max_context,
+                placed=w.placed,
+                cache=w.cache,
             )
             for w in self.workers.values()
         )

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from msgspec.structs import replace
 
-from core.fleet import Fleet, WorkerRecord
+from core.fleet import Chain, Fleet, Placement
 from core.protocol import (
     ArmTimer,
     Assignment,
@@ -67,6 +67,14 @@ class RequestRecord:
     finish: Finished | None = None  # a finish that arrived before all its tokens
     resend_at: float | None = None  # when the last Resend for it was sent
     progress_by: float | None = None  # the accepted attempt's next token is due by then
+    chain: Chain | None = None  # the context's chain keys, for placement (see context())
+
+    def context(self) -> Chain:
+        """What the next attempt prefills (prompt, then what the client has)."""
+        tokens = len(self.request.prompt_token_ids) + len(self.tokens)
+        if self.chain is None or len(self.chain.tokens) != tokens:
+            self.chain = Chain(self.request.prompt_token_ids + tuple(self.tokens))
+        return self.chain
 
     @property
     def delivered(self) -> int:
@@ -97,8 +105,8 @@ class Requests:
         self.records[request.request_id] = req
         if not self.fleet.fitting(request.context_tokens):
             self._give_up(req, "no_worker", _no_worker_message(req), out)
-        elif not self.queue and (worker := self._candidate(req, exclude=None)) is not None:
-            self._offer(req, worker, out)
+        elif not self.queue and (placement := self._candidate(req, exclude=None)) is not None:
+            self._offer(req, placement, out)
         elif len(self.queue) >= self.config.queue_limit:
             self._give_up(req, "overloaded", "all workers are busy and the queue is full", out)
         else:
@@ -248,6 +256,8 @@ class Requests:
         self.tokens_delivered += 1
         req.progress_by = self.now + self.config.token_timeout_s
         if first and req.active is not None:
+            if req.worker_id is not None:
+                self.fleet.first_token(req.worker_id, req.active)
             # From now on the (usually shorter) per-token deadline; later tokens only
             # move progress_by, and the timer re-arms itself when it fires early.
             out.append(ArmTimer(ProgressTimer(req.active), req.progress_by))
@@ -307,23 +317,24 @@ class Requests:
                 kind: ErrorKind = "worker_lost" if req.delivered else "no_worker"
                 self._give_up(req, kind, _no_worker_message(req), out)
                 continue
-            worker = self._candidate(req, exclude=None)
-            if worker is None:
+            placement = self._candidate(req, exclude=None)
+            if placement is None:
                 return
             self.queue.popleft()
-            self._offer(req, worker, out)
+            self._offer(req, placement, out)
 
-    def _candidate(self, req: RequestRecord, exclude: str | None) -> WorkerRecord | None:
-        return self.fleet.candidate(req.request.context_tokens, req.tried, exclude)
+    def _candidate(self, req: RequestRecord, exclude: str | None) -> Placement | None:
+        return self.fleet.candidate(req.request.context_tokens, req.context(), req.tried, exclude)
 
-    def _offer(self, req: RequestRecord, worker: WorkerRecord, out: list[RouterEffect]) -> None:
+    def _offer(self, req: RequestRecord, placement: Placement, out: list[RouterEffect]) -> None:
+        worker, prefill = placement
         req.phase = REQUEST.next(req.phase, E.OFFER_SENT)
         req.attempt += 1
         assignment = Assignment(req.request.request_id, req.attempt)
         req.active = assignment
         req.worker_id = worker.worker_id
         req.tried.add(worker.worker_id)
-        self.fleet.take(worker, assignment, req.request.request_id)
+        self.fleet.take(worker, assignment, req.request.request_id, prefill)
         offer = Offer(worker.worker_id, worker.epoch, assignment, _attempt_request(req))
         out.append(SendToWorker(worker.worker_id, offer))
         out.append(ArmTimer(OfferTimer(assignment), self.now + self.config.offer_timeout_s))
@@ -382,11 +393,11 @@ class Requests:
         self, req: RequestRecord, failed_worker: str | None, out: list[RouterEffect]
     ) -> None:
         """Offer the next attempt, preferring another worker, or queue it at the front."""
-        worker = self._candidate(req, exclude=failed_worker)
-        if worker is None:
+        placement = self._candidate(req, exclude=failed_worker)
+        if placement is None:
             self.queue.appendleft(req.request.request_id)
         else:
-            self._offer(req, worker, out)
+            self._offer(req, placement, out)
 
     # --- endings ---
 

@@ -100,6 +100,15 @@ class RouterConfig(Struct, frozen=True):
     prefill_timeout_per_token_s: float = 0.05
     token_timeout_s: float = 10.0
     stuck_probe_s: float = 30.0
+    # Placement. "cache-aware" ranks fitting workers with a free slot by predicted
+    # time to first token: (prefill tokens already placed there and not yet past
+    # their first token + this request's tokens that worker's reported prefix
+    # cache lacks) / its reported prefill rate. A report older than
+    # cache_report_max_age_s, or from an earlier epoch, counts as empty.
+    # "least-loaded" ranks by held slots only.
+    routing: Literal["cache-aware", "least-loaded"] = "cache-aware"
+    cache_report_max_age_s: float = 3.0
+    default_prefill_rate: float = 1000.0  # tokens/s, for a worker that reports none
 
 
 class RouterStatistics(Struct, frozen=True):

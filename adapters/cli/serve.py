@@ -18,6 +18,7 @@ import argparse
 import logging
 import signal
 from dataclasses import dataclass
+from typing import Literal
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -65,6 +66,7 @@ class ServeOptions:
     prefill_timeout_per_token_s: float = _DEADLINES.prefill_timeout_per_token_s
     token_timeout_s: float = _DEADLINES.token_timeout_s
     stuck_probe_s: float = _DEADLINES.stuck_probe_s
+    routing: Literal["cache-aware", "least-loaded"] = "cache-aware"
     limits: HttpLimits | None = None
 
 
@@ -127,6 +129,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stuck-probe", type=float, default=deadlines.stuck_probe_s, metavar="SECONDS"
     )
+    parser.add_argument(
+        "--routing", choices=("cache-aware", "least-loaded"), default="cache-aware",
+        help="place a request on the worker with the least predicted time to first token, "
+        "counting the prompt tokens its prefix cache reports it holds (cache-aware, the "
+        "default), or on the one with the fewest requests (least-loaded)",
+    )  # fmt: skip
     resume = parser.add_mutually_exclusive_group()
     resume.add_argument(
         "--max-resumes", type=int, default=2, metavar="N",
@@ -164,6 +172,7 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
         prefill_timeout_per_token_s=args.prefill_timeout_per_token,
         token_timeout_s=args.token_timeout,
         stuck_probe_s=args.stuck_probe,
+        routing=args.routing,
     )
 
 
@@ -242,6 +251,7 @@ async def serve(
         heartbeat_timeout_s=options.heartbeat_timeout_s,
         queue_limit=1024,
         max_resumes=options.max_resumes,
+        routing=options.routing,
         first_token_timeout_s=options.first_token_timeout_s,
         prefill_timeout_per_token_s=options.prefill_timeout_per_token_s,
         token_timeout_s=options.token_timeout_s,

@@ -47,6 +47,19 @@ class Metrics:
             "Started streams continued on another worker from their delivered prefix",
             registry=r,
         )
+        self.worker_requests = Gauge(
+            "fencepost_worker_requests_total",
+            "Attempts the router placed on each worker (since the router started)",
+            ["worker"],
+            registry=r,
+        )
+        self.prefill_tokens = Gauge(
+            "fencepost_prefill_tokens_total",
+            "Context tokens submitted for prefill, and of them computed (not found in a "
+            "prefix cache), summed over the workers' current processes as they report",
+            ["kind"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "fencepost_time_to_first_token_seconds",
             "From request arrival to its first token",
@@ -68,4 +81,12 @@ class Metrics:
         self.slots_used.set(sum(w.held for w in stats.router.workers))
         self.retries.set(stats.router.retries)
         self.resumes.set(stats.router.resumes)
+        submitted = computed = 0
+        for worker in stats.router.workers:
+            self.worker_requests.labels(worker.worker_id).set(worker.placed)
+            if worker.cache is not None:
+                submitted += worker.cache.prompt_tokens
+                computed += worker.cache.computed_tokens
+        self.prefill_tokens.labels("submitted").set(submitted)
+        self.prefill_tokens.labels("computed").set(computed)
         return generate_latest(self.registry)
