@@ -147,8 +147,9 @@ class _FakeRun:
     ready_at: float  # prefill ends; the first token may come
     decode: FakeDecode
     sequence: int | None  # its blocks in the FakeDecoder's pool (None: admitted uncached)
-    prompt: tuple[int, ...]
-    committed_to: int = 0  # tokens written to its blocks so far (prompt, then output)
+    prompt_tokens: int
+    written: list[int]  # tokens whose keys and values its blocks hold, once prefilled
+    committed_blocks: int = 0  # full blocks of `written` committed to the pool
 
 
 FAKE_BLOCK_SIZE = 16
@@ -229,7 +230,7 @@ class FakeDecoder:
         self._report = None
         ready_at = trio.current_time() + self.prefill_s + self.prefill_s_per_token * computed
         decode = FakeDecode(assignment, request, ignore_eos=self.ignore_eos)
-        self._running[assignment] = _FakeRun(ready_at, decode, sequence, prompt)
+        self._running[assignment] = _FakeRun(ready_at, decode, sequence, len(prompt), list(prompt))
         self._lot.unpark_all()
 
     def stop(self, assignment: Assignment) -> None:
@@ -292,12 +293,13 @@ class FakeDecoder:
         last (a token's keys and values are written when the next step reads it)."""
         if run.sequence is None:
             return
-        output = run.decode.generation.output
-        written = len(run.prompt) + max(0, len(output) - 1)  # the output holds the prefix
-        if written // FAKE_BLOCK_SIZE > run.committed_to // FAKE_BLOCK_SIZE:
-            self.blocks.commit(run.sequence, (*run.prompt, *output[: written - len(run.prompt)]))
+        output = run.decode.generation.output  # the output prefix, then new tokens
+        while len(run.written) < run.prompt_tokens + len(output) - 1:
+            run.written.append(output[len(run.written) - run.prompt_tokens])
+        if len(run.written) // FAKE_BLOCK_SIZE > run.committed_blocks:
+            self.blocks.commit(run.sequence, run.written)
+            run.committed_blocks = len(run.written) // FAKE_BLOCK_SIZE
             self._report = None
-        run.committed_to = written
 
     def _release(self, run: _FakeRun) -> None:
         if run.sequence is not None:
