@@ -209,6 +209,23 @@ class Router:
         """Attempts let go of and placed again so far (retries plus resumes)."""
         return self.requests.retries + self.requests.resumes
 
+    def predicted_prefill(self, worker_id: str, assignment: Assignment) -> int | None:
+        """Tokens the router predicted this attempt prefills on that worker (its context
+        less what the worker's cache report offered), until its first token; None if
+        the worker holds no such assignment."""
+        worker = self.fleet.workers.get(worker_id)
+        record = worker.holds.get(assignment) if worker is not None else None
+        return None if record is None else record.prefill
+
+    def views(self) -> tuple[WorkerView, ...]:
+        """Each known worker as the router sees it."""
+        return self.fleet.views()
+
+    def queued_prefill(self, worker_id: str) -> int:
+        """Prefill tokens placed on the worker and not yet past their first token."""
+        worker = self.fleet.workers.get(worker_id)
+        return 0 if worker is None else sum(r.prefill for r in worker.holds.values())
+
     def holders(self, request_id: str) -> list[str]:
         """Workers on which the router counts a live hold (offered, held, missing) for it."""
         return self.fleet.live_holders(request_id)

@@ -72,6 +72,7 @@ from core.protocol import (
 from core.router import Router, RouterConfig
 from core.worker import Worker, WorkerConfig
 from sim.clock import Clock
+from sim.kv import KvModel, pool_blocks
 from sim.oracles import Disturbances, Oracles
 
 # How a misbehaving decoder can go wrong in one step (sim/simulator.py draws one):
@@ -147,6 +148,8 @@ class Cluster:
         trace: Callable[[str], None] | None = None,
         clock: Clock | None = None,
         disturbances: Disturbances | None = None,
+        kv_block_size: int = 4,
+        largest_request: int | None = None,
     ) -> None:
         self.clock = clock or Clock()
         self.on_send = on_send or self.in_flight_append
@@ -155,6 +158,10 @@ class Cluster:
         self.slots = slots
         self.max_context = max_context
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.kv_block_size = kv_block_size
+        self.largest_request = largest_request or max_context
+        self.kv: dict[str, KvModel] = {}  # each process's paged KV cache
+        self.prefill_tokens = [0, 0]  # context tokens admitted, and of them not cached
         self.workers: dict[str, Worker] = {}
         self.decodes: dict[str, dict[Assignment, Decode]] = {}
         self.down: set[str] = set()  # crashed: events to them vanish
@@ -197,6 +204,8 @@ class Cluster:
             heartbeat_interval_s=self.heartbeat_interval_s,
         )
         self.workers[worker_id] = Worker(config)
+        blocks = pool_blocks(config.slots, self.largest_request, self.kv_block_size)
+        self.kv[worker_id] = KvModel(blocks, self.kv_block_size, self.violations.append, worker_id)
         self._timers[worker_id] = {}
         self._owner_rank.setdefault(worker_id, len(self._owner_rank))
         self.decodes[worker_id] = {}
@@ -208,6 +217,7 @@ class Cluster:
         """The worker's decoder breaks: every running assignment there fails."""
         self.decoder_failures += 1
         self.decodes[worker_id] = {}
+        self.kv[worker_id].release_all()
         self._run_worker(worker_id, DecoderFailed("injected decoder failure"))
 
     def drain_worker(self, worker_id: str) -> None:
@@ -291,9 +301,13 @@ class Cluster:
         if misbehave is not None:
             self.misbehaviours += 1
             _misbehave(events, misbehave, decodes[assignment].request.max_new_tokens)
+        decode = decodes[assignment]
+        if decode.admitted:
+            output = decode.run.generation.output
+            self.kv[worker_id].wrote(decode.key, decode.request.prompt_token_ids + tuple(output))
         for event in events:
             if over and isinstance(event, DecodeDone):
-                decodes.pop(assignment, None)
+                self._drop(worker_id, assignment)
             self._run_worker(worker_id, event)
 
     def plan_step(self, worker_id: str, limits: BatchLimits) -> StepPlan:
@@ -302,8 +316,18 @@ class Cluster:
         waiting = [Waiting(d.key, d.context) for d in decodes.values() if not d.admitted]
         running = sum(d.admitted for d in decodes.values())
         admission = admit(waiting, running, limits)
+        kv = self.kv[worker_id]
         for key in admission.admitted:
-            decodes[self._keys[key]].admitted = True
+            decode = decodes[self._keys[key]]
+            request = decode.request
+            context = request.prompt_token_ids + request.output_prefix
+            cached = kv.admit(key, context, request.context_tokens)
+            if cached < 0:
+                continue  # no room in the pool yet: it waits for a block
+            decode.admitted = True
+            decode.prefilled = cached  # the cache already holds these
+            self.prefill_tokens[0] += len(context)
+            self.prefill_tokens[1] += len(context) - cached
         for key in admission.rejected:  # can never fit a slot: the decoder fails it
             assignment = self._keys[key]
             decodes.pop(assignment, None)
@@ -346,6 +370,9 @@ class Cluster:
             decode = decodes.get(self._keys[key])
             if decode is not None:
                 decode.prefilled = min(decode.context, decode.prefilled + tokens)
+                request = decode.request
+                written = (request.prompt_token_ids + request.output_prefix)[: decode.prefilled]
+                self.kv[worker_id].wrote(key, written)
         for key in plan.decode:
             assignment = self._keys[key]
             if assignment in self.decodes[worker_id]:
@@ -582,9 +609,16 @@ class Cluster:
                 return started and (self.decoder_failures > 0 or self.misbehaviours > 0)
         return False
 
+    def _drop(self, worker_id: str, assignment: Assignment) -> None:
+        decode = self.decodes[worker_id].pop(assignment, None)
+        if decode is not None:
+            self.kv[worker_id].release(decode.key)
+
     def _run_worker(self, worker_id: str, event: WorkerEvent) -> None:
         if worker_id in self.down:
             return
+        if isinstance(event, TimerFired | WorkerStart):  # a heartbeat may go out
+            self.workers[worker_id].cache = self.kv[worker_id].report()
         effects = self.workers[worker_id].handle(event, self.clock.now)
         if self.trace is not None:
             self.trace(f"{self.now:9.4f} {worker_id:7} {_show(event)} -> {_show_all(effects)}")
@@ -606,7 +640,7 @@ class Cluster:
                 decode = Decode(request, self.clock.now, run, key, context)
                 self.decodes[worker_id][assignment] = decode
             case StopDecode(assignment):
-                self.decodes[worker_id].pop(assignment, None)
+                self._drop(worker_id, assignment)
             case ArmTimer(key, deadline):
                 self._arm(worker_id, key, deadline)
             case DisarmTimer(key):

@@ -15,17 +15,20 @@ from dataclasses import dataclass, field
 
 from core.states import TABLES
 
+_RETIRED = (
+    "handing out a new epoch retires the id's old one at once (core/fleet.py register), "
+    "so a new epoch's heartbeat always finds the worker gone; the move stays in the "
+    "table for workers that heartbeat without registering (the router unit tests)"
+)
+
 # (table, state, event) -> why the standard sweep cannot be expected to take that move.
 UNREACHABLE: dict[tuple[str, str, str], str] = {
     ("assignment", "active", "decoded"): (
         "the worker's one self-loop, not looked up per token (core/worker.py)"
     ),
-    ("worker health", "stuck", "new_epoch"): (
-        "a registered worker gets a new epoch only once the router no longer counts it "
-        "live, or by a takeover, which marks it gone first; a stuck worker counts as "
-        "live, so only a stale heartbeat reviving the old epoch in between could lead "
-        "here (taken by unregistered workers in the unit tests)"
-    ),
+    ("worker health", "healthy", "new_epoch"): _RETIRED,
+    ("worker health", "stuck", "new_epoch"): _RETIRED,
+    ("worker health", "silent", "new_epoch"): _RETIRED,
     ("worker health", "silent", "deadline_missed"): (
         "the liveness timer is armed only by a heartbeat, which also makes the worker "
         "healthy, so it never fires on a worker already silent"

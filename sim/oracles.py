@@ -46,8 +46,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from core.blocks import chain_hashes
 from core.protocol import (
     Assignment,
+    CacheReport,
     Cancel,
     DeliverError,
     DeliverFinished,
@@ -190,6 +192,8 @@ class Oracles:
         self._sent: dict[tuple[str, int, Assignment], int] = {}  # tokens a worker sent
         self._completed: dict[tuple[str, int], deque[Assignment]] = {}
         self.completions: Counter[tuple[str, int]] = Counter()  # per (worker, epoch)
+        # The last cache report the router accepted from each worker: (epoch, when, report).
+        self._reports: dict[str, tuple[int, float, CacheReport | None]] = {}
 
     def _violation(self, text: str) -> None:
         self.violations.append(text)
@@ -221,11 +225,101 @@ class Oracles:
                     self._on_outcome(request_id, effect, now)
         if isinstance(event, FromWorkerMessage):
             self._check_answered(event, effects, before)
+            if isinstance(event.message, Heartbeat):
+                self._note_report(event.worker_id, event.message, before, now)
+        offers = [
+            (e.worker_id, e.message)
+            for e in effects
+            if isinstance(e, SendToWorker) and isinstance(e.message, Offer)
+        ]
+        if offers:
+            self._check_placements(offers, now)
         self._check_views()
         mark = self.router.attempts_lost()
         if mark != self._lost_mark:
             self._lost_mark = mark
             self._find_lost_attempts(now)
+
+    # --- cache-aware placement ---
+
+    def _note_report(
+        self, worker_id: str, beat: Heartbeat, before: tuple[int, int, bool] | None, now: float
+    ) -> None:
+        after = self.router.worker_clock(worker_id)
+        if after is not None and after[:2] == (beat.epoch, beat.seq) and after != before:
+            self._reports[worker_id] = (beat.epoch, now, beat.cache)
+
+    def _check_placements(self, offers: list[tuple[str, Offer]], now: float) -> None:
+        """Each offer of one router step, in order. What the router claimed a worker's
+        cache offers must be backed by a report it accepted from that worker's current
+        epoch within cache_report_max_age_s. And no worker is flooded: cache-aware
+        routing picks the least predicted time to first token, so (every worker
+        reporting the same rate, as here) the chosen worker's queued prefill before
+        the offer exceeds no other eligible worker's by more than the request's
+        context."""
+        router, config = self.router, self.config
+        views = router.views()
+        queued = {v.worker_id: router.queued_prefill(v.worker_id) for v in views}
+        held = {v.worker_id: v.held for v in views}
+        # Back to the state before each offer: take off the offers at and after it.
+        later: dict[str, tuple[int, int]] = {}  # worker -> (prefill, offers) from here on
+        staged = []
+        for worker_id, offer in reversed(offers):
+            prefill = router.predicted_prefill(worker_id, offer.assignment)
+            tokens, count = later.get(worker_id, (0, 0))
+            later[worker_id] = (tokens + (prefill or 0), count + 1)
+            staged.append((worker_id, offer, prefill, dict(later)))
+        for worker_id, offer, prefill, after in reversed(staged):
+            if prefill is None:
+                continue  # already let go of within this step
+            request = offer.request
+            context = request.prompt_token_ids + request.output_prefix
+            claimed = len(context) - prefill
+            if claimed > 0:
+                self._check_claim(worker_id, offer, context, claimed, now)
+            if config.routing != "cache-aware":
+                continue
+            tally = self._tallies.get(offer.assignment.request_id)
+            tried = {a.worker_id for a in tally.attempts[:-1]} if tally else set()
+            if worker_id in tried:
+                continue
+            mine = queued[worker_id] - after[worker_id][0]
+            for view in views:
+                other = view.worker_id
+                if other == worker_id or other in tried or not view.healthy:
+                    continue
+                if view.max_context < request.context_tokens:
+                    continue
+                ahead, count = after.get(other, (0, 0))
+                if held[other] - count >= view.slots:
+                    continue
+                if mine > queued[other] - ahead + len(context):
+                    self._violation(
+                        f"{offer.assignment}: placed on {worker_id} with {mine} prefill tokens "
+                        f"queued while {other} had {queued[other] - ahead} and a free slot "
+                        f"(context {len(context)})"
+                    )
+
+    def _check_claim(
+        self, worker_id: str, offer: Offer, context: tuple[int, ...], claimed: int, now: float
+    ) -> None:
+        seen = self._reports.get(worker_id)
+        max_age = self.config.cache_report_max_age_s
+        backed = 0
+        if seen is not None:
+            epoch, at, report = seen
+            if report is not None and epoch == offer.epoch and now - at <= max_age:
+                keys = set(report.keys)
+                for key in chain_hashes(context, report.block_size):
+                    if key not in keys:
+                        break
+                    backed += report.block_size
+        if claimed > backed:
+            self._violation(
+                f"{offer.assignment}: router counted {claimed} cached tokens on {worker_id}, "
+                f"its last accepted report (epoch, time) {seen[:2] if seen else None} "
+                f"backs {backed} at t={now:.3f}"
+            )
 
     def _on_offer(self, worker_id: str, offer: Offer, now: float) -> None:
         rid = offer.assignment.request_id

@@ -86,6 +86,9 @@ class Scenario:
             prefill_timeout_per_token_s=0.5,
             token_timeout_s=3.0,
             stuck_probe_s=2.0,
+            # Under the heartbeat timeout, so that a healthy worker's report can be
+            # too old to trust (two heartbeats lost or late), and placement must see it.
+            cache_report_max_age_s=0.6,
         )
     )
     # Every Nth seed (N-1, 2N-1, ...) runs the long-run shape instead (0: never).
@@ -97,6 +100,12 @@ class Scenario:
         if every and seed % every == every - 1:
             return replace(self, **LONG_RUN, long_run_every=0)  # type: ignore[arg-type]
         return self
+
+
+KV_BLOCK = 4  # the simulated workers' KV block size (tokens)
+_SYSTEM_PROMPTS = (tuple(range(100, 112)), tuple(range(200, 208)))  # 3 and 2 blocks
+_MIDDLES = (tuple(range(300, 308)), tuple(range(400, 412)))
+_LONGEST_PROMPT = 24 + max(map(len, _SYSTEM_PROMPTS)) + max(map(len, _MIDDLES))
 
 
 # The long run: two workers each finishing hundreds of assignments, faults all along,
@@ -193,6 +202,7 @@ class SimResult:
     waste_s: float = 0.0  # assignment-seconds spent on work the router did not want
     errors: Counter[str] = field(default_factory=Counter)  # error outcomes by cause
     most_completed: int = 0  # outputs completed by the busiest worker process
+    prefill_tokens: tuple[int, int] = (0, 0)  # context tokens admitted, and computed
     trace_hash: str | None = None
     trace_tail: list[str] = field(default_factory=list)
 
@@ -275,6 +285,8 @@ class Simulation:
             trace=self._trace if trace else None,
             clock=self.clock,
             disturbances=self.disturbances,
+            kv_block_size=KV_BLOCK,
+            largest_request=_LONGEST_PROMPT + self.scenario.mean_new_tokens * 3 // 2 + 1,
         )
         self._trace_on = trace
         self._worker_ids = worker_ids
@@ -426,6 +438,19 @@ class Simulation:
 
     # --- clients ---
 
+    def _prompt(self, rng: Random) -> tuple[int, ...]:
+        """Half the prompts are unique; the rest repeat themselves as chat traffic does:
+        one of two system prompts, then often one of a few shared middles (the
+        same tokens after either system prompt, so only a chain key that covers
+        the parent tells them apart), then a short tail of their own."""
+        tail = tuple(rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 24)))
+        if rng.random() < 0.5:
+            return tail
+        head = _SYSTEM_PROMPTS[rng.randrange(len(_SYSTEM_PROMPTS))]
+        if rng.random() < 0.6:
+            head += _MIDDLES[rng.randrange(len(_MIDDLES))]
+        return head + tail[: rng.randint(1, 6)]
+
     def _plan_clients(self) -> None:
         rng = self._clients_rng
         scenario = self.scenario
@@ -434,7 +459,7 @@ class Simulation:
         for index in range(scenario.requests):
             t += rng.expovariate(1.0 / mean_gap)
             t = min(t, scenario.arrival_window_s)
-            prompt = tuple(rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 24)))
+            prompt = self._prompt(rng)
             mean, spread = scenario.mean_new_tokens, scenario.mean_new_tokens // 2
             max_new = rng.randint(mean - spread, mean + spread)
             seed = rng.randrange(2**32) if rng.random() < 0.7 else None
@@ -733,6 +758,7 @@ class Simulation:
             waste_s=cluster.oracles.waste_s,
             errors=cluster.error_causes(),
             most_completed=max(cluster.oracles.completions.values(), default=0),
+            prefill_tokens=(cluster.prefill_tokens[0], cluster.prefill_tokens[1]),
             trace_hash=self._hash.hexdigest() if self._hash is not None else None,
             trace_tail=list(self._tail),
         )

@@ -31,6 +31,8 @@ class SweepSummary:
     waste_s: float = 0.0
     errors: Counter[str] = field(default_factory=Counter)
     most_completed: int = 0
+    prefill_submitted: int = 0
+    prefill_computed: int = 0
     determinism_checked: int = 0
     failure: SimResult | None = None
     coverage: Coverage = field(default_factory=Coverage)
@@ -48,6 +50,8 @@ class SweepSummary:
         self.waste_s += result.waste_s
         self.errors.update(result.errors)
         self.most_completed = max(self.most_completed, result.most_completed)
+        self.prefill_submitted += result.prefill_tokens[0]
+        self.prefill_computed += result.prefill_tokens[1]
 
 
 def replay_command(seed: int, scenario: Scenario | None = None) -> str:

@@ -161,10 +161,10 @@ MUTANTS = (
         'if kind == "failed" or req.resumes > self.config.max_resumes:',
     ),
     Mutant(
-        "router accepts an older epoch's heartbeat",
+        "router accepts a heartbeat of an epoch it retired",
         "core/fleet.py",
-        "            or beat.epoch < self.epoch\n",
-        "",
+        "            beat.epoch <= self.gone_epoch\n            or beat.epoch < self.epoch\n",
+        "            beat.epoch < self.epoch\n",
     ),
     Mutant(
         "router places a dropped attempt again before releasing it",
@@ -235,6 +235,26 @@ MUTANTS = (
         "        if beat.epoch > self.assigned.get(worker_id, beat.epoch):\n",
         "        if False:\n",
     ),
+    # Issue 17: the paged KV cache's bookkeeping and cache-aware routing.
+    Mutant(
+        "block manager frees a block another sequence still holds",
+        "core/blocks.py",
+        "            if self._refs[block] == 0:\n                if block in self._key_of:",
+        "            if self._refs[block] <= 1:\n                if block in self._key_of:",
+    ),
+    Mutant(
+        "block chain key ignores the parent block",
+        "core/blocks.py",
+        '    digest.update(parent.to_bytes(8, "little"))\n',
+        "",
+    ),
+    Mutant(
+        "router trusts a cache report as fresh forever",
+        "core/fleet.py",
+        "        if report is None or self.now - worker.cache_seen_at > "
+        "self.config.cache_report_max_age_s:\n",
+        "        if report is None:\n",
+    ),
 )
 
 
@@ -282,13 +302,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=positive, default=500, help="most seeds per mutant")
     parser.add_argument("--start", type=natural, default=0)
     parser.add_argument("--timeout", type=positive, default=600, help="seconds per mutant")
+    parser.add_argument(
+        "--only", metavar="TEXT", default="", help="only the mutants whose name contains TEXT"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     seeds, start = args.seeds, args.start
-    print(f"mutation check: {len(MUTANTS)} mutants, up to {seeds} seeds each from seed {start}")
+    chosen = [m for m in MUTANTS if args.only in m.name]
+    print(f"mutation check: {len(chosen)} mutants, up to {seeds} seeds each from seed {start}")
     results = []
-    for mutant in MUTANTS:
+    for mutant in chosen:
         result = run_mutant(mutant, seeds, start, args.timeout)
         results.append(result)
         if result.killed:

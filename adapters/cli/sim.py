@@ -131,6 +131,11 @@ def _print_summary(summary: SweepSummary, elapsed_s: float) -> None:
     print(f"messages fenced by kind: {_counts(summary.fenced)}")
     print(f"work the router no longer wanted, kept by workers: {summary.waste_s:.1f} slot-s")
     print(f"most outputs completed by one worker process: {summary.most_completed}")
+    submitted, computed = summary.prefill_submitted, summary.prefill_computed
+    print(
+        f"prefill tokens: {submitted} admitted, {computed} computed "
+        f"({1 - computed / max(1, submitted):.0%} found in the prefix caches)"
+    )
     never = summary.coverage.never_taken()
     print(f"machine moves taken: {summary.coverage.summary()}")
     print(f"moves never taken: {', '.join('/'.join(m) for m in never) or 'none'}")
