@@ -183,15 +183,15 @@ class Row:
         return (
             f"  {self.setup.label:30} {self.ttft(first, 50):6.3f} {self.ttft(first, 99):6.3f}"
             f"  {self.ttft(later, 50):6.3f} {self.ttft(later, 99):6.3f}  {hits(first)}"
-            f"  {hits(later)}  {self.rate:7.1f} {self.errors:4d}  {by_turn:20}  {workers} {share}"
+            f"  {hits(later)}  {self.rate:7.1f} {self.errors:4d}  {by_turn:23}  {workers} {share}"
         )
 
 
 HEADER = (
     f"  {'':30} {'TTFT turn 1 s':>13}  {'TTFT turns 2+':>13}  {'prefill turn 1':>18}"
-    f"  {'prefill turns 2+':>18}  {'':7} {'':4}  {'TTFT p50 s':20}  requests per worker\n"
+    f"  {'prefill turns 2+':>18}  {'':7} {'':4}  {'TTFT p50 s':23}  requests per worker\n"
     f"  {'configuration':30} {'p50    p99':>13}  {'p50    p99':>13}  {'computed/submitted':>18}"
-    f"  {'computed/submitted':>18}  {'tok/s':>7} {'err':>4}  {'by turn':20}  (busiest/fair share)"
+    f"  {'computed/submitted':>18}  {'tok/s':>7} {'err':>4}  {'by turn':23}  (busiest/fair share)"
 )
 
 
