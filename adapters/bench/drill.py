@@ -28,6 +28,7 @@ from adapters.bench.harness import (
     log_folder,
     percentile,
     scrape,
+    wait_for_workers,
 )
 from adapters.bench.loadgen import FAST, StreamResult, stream_chat
 
@@ -67,7 +68,7 @@ def main(drill: Drill) -> int:
     counters = ("fencepost_attempt_retries", "fencepost_stream_resumes")
     try:
         server.wait_ready(600)
-        _wait_for_workers(http, 2, timeout_s=600)
+        wait_for_workers(http, 2, timeout_s=600)
         before = trio.run(scrape, http, counters)
         results = trio.run(_load, http, drill, victims[0])
         time.sleep(3)  # the router settles (heartbeat timeout 2 s)
@@ -84,15 +85,6 @@ def main(drill: Drill) -> int:
 
     report(results, grew("fencepost_attempt_retries"), grew("fencepost_stream_resumes"), after)
     return 0
-
-
-def _wait_for_workers(port: int, count: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    healthy = ("fencepost_healthy_workers",)
-    while trio.run(scrape, port, healthy).get("fencepost_healthy_workers", 0) < count:
-        if time.monotonic() > deadline:
-            raise RuntimeError("the workers never registered")
-        time.sleep(0.2)
 
 
 async def _load(port: int, drill: Drill, victim: Server) -> list[StreamResult]:

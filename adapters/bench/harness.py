@@ -117,3 +117,29 @@ async def scrape(port: int, names: tuple[str, ...]) -> dict[str, float]:
             if line.startswith(name + " ") or line.startswith(name + "{"):
                 found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return found
+
+
+async def series(port: int) -> dict[str, float]:
+    """Every /metrics series by its full name, labels included (`name{kind="x"}`)."""
+
+    def get() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            return str(reply.read().decode())
+
+    text = await trio.to_thread.run_sync(get)
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            found[name] = float(value)
+    return found
+
+
+def wait_for_workers(port: int, count: int, timeout_s: float) -> None:
+    """Until the server at `port` counts `count` healthy workers."""
+    deadline = time.monotonic() + timeout_s
+    healthy = ("fencepost_healthy_workers",)
+    while trio.run(scrape, port, healthy).get("fencepost_healthy_workers", 0) < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the workers never registered")
+        time.sleep(0.2)

@@ -27,6 +27,7 @@ class StreamResult:
     gaps_s: list[float] = field(default_factory=list)  # between content chunks
     completion_tokens: int = 0  # as the server's usage says; see tokens
     content_chunks: int = 0
+    content: str = ""  # the streamed text, every delta joined
     finish_reason: str | None = None
     error: str | None = None
     error_code: str | None = None  # the OpenAI error's code, when the server sent one
@@ -158,8 +159,10 @@ def _on_frame(frame: bytes, result: StreamResult) -> bool:
         result.completion_tokens = event["usage"]["completion_tokens"]
     content = False
     for choice in event.get("choices", []):
-        if choice.get("delta", {}).get("content"):
+        text = choice.get("delta", {}).get("content")
+        if text:
             content = True
+            result.content += text
         if choice.get("finish_reason"):
             result.finish_reason = choice["finish_reason"]
     return content

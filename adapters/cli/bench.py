@@ -123,6 +123,49 @@ def _drill(args: argparse.Namespace) -> int:
     )
 
 
+def _chat_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--conversations", type=positive, default=8)
+    parser.add_argument("--turns", type=positive, default=4)
+    parser.add_argument("--tokens", type=positive, default=64, help="max_tokens of each answer")
+    parser.add_argument("--system-tokens", type=positive, default=300)
+    parser.add_argument(
+        "--workers", default="2,4", help="comma-separated worker counts of the fake runs"
+    )
+    parser.add_argument(
+        "--real-workers", default="1,2", help="comma-separated worker counts of the real runs"
+    )
+    parser.add_argument(
+        "--routing", default="cache-aware,least-loaded",
+        help="comma-separated routings of the fake runs ('default': the server's own)",
+    )  # fmt: skip
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--fake-only", action="store_true", help="skip the real model")
+    only.add_argument("--real-only", action="store_true", help="skip the fake runs")
+    parser.add_argument("--fake-prefill-ms-per-token", type=float, default=0.5, metavar="MS")
+    parser.add_argument("--fake-step-ms", type=float, default=10.0, metavar="MS")
+    parser.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
+    parser.add_argument("--time-limit", type=positive, default=300, help="seconds a run")
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from adapters.bench import chat
+
+    load = chat.ChatLoad(
+        conversations=args.conversations,
+        turns=args.turns,
+        tokens=args.tokens,
+        system_tokens=args.system_tokens,
+        real_workers=() if args.fake_only else counts(args.real_workers),
+        fake_workers=() if args.real_only else counts(args.workers),
+        routings=tuple(args.routing.split(",")),
+        fake_prefill_ms_per_token=args.fake_prefill_ms_per_token,
+        fake_step_ms=args.fake_step_ms,
+        model_path=args.model,
+        time_limit_s=args.time_limit,
+    )
+    return chat.main(load)
+
+
 def _naive_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=positive, required=True)
     parser.add_argument("--model", default=None)
@@ -183,6 +226,12 @@ BENCHES = (
         _serve,
     ),
     Bench("drill", "kill -9 a worker under load; count outcomes", _drill_flags, _drill),
+    Bench(
+        "chat",
+        "multi-turn conversations sharing a system prompt: TTFT by turn, prefix-cache hits",
+        _chat_flags,
+        _chat,
+    ),
     Bench(
         "naive-server",
         "(baseline) sequential HF generate server",

@@ -24,7 +24,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
-from adapters.cli import add_weights_argument
+from adapters.cli import DEFAULT_KV_CACHE_TOKENS, add_kv_cache_arguments, add_weights_argument
 from adapters.cli.worker import listen_address
 from adapters.openai.models import ChatModel, FakeChatModel, ServedModel
 from adapters.openai.server import FencepostApp, HttpLimits
@@ -53,8 +53,11 @@ class ServeOptions:
     max_context: int = 2048
     threads: int | None = None
     weights: str = "auto"
+    prefix_caching: bool = True
+    kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS
     fake: bool = False
     fake_step_ms: float = 0.0
+    fake_prefill_ms_per_token: float = 0.0
     drain_timeout_s: float = 30.0
     heartbeat_timeout_s: float = 3.0
     max_resumes: int = 2
@@ -82,8 +85,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-context", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_weights_argument(parser)
+    add_kv_cache_arguments(parser)
     parser.add_argument("--fake", action="store_true", help="a fake model: instant made-up words")
     parser.add_argument("--fake-step-ms", type=float, default=0.0)
+    parser.add_argument(
+        "--fake-prefill-ms-per-token", type=float, default=0.0, metavar="MS",
+        help="the fake decoder's first token waits this per context token not found in "
+        "its prefix cache",
+    )  # fmt: skip
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS")
     parser.add_argument("--heartbeat-timeout", type=float, default=3.0, metavar="SECONDS")
     parser.add_argument(
@@ -147,8 +156,11 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
         max_context=args.max_context,
         threads=args.threads,
         weights=args.weights,
+        prefix_caching=not args.no_prefix_cache,
+        kv_cache_tokens=args.kv_cache_tokens,
         fake=args.fake,
         fake_step_ms=args.fake_step_ms,
+        fake_prefill_ms_per_token=args.fake_prefill_ms_per_token,
         drain_timeout_s=args.drain_timeout,
         heartbeat_timeout_s=args.heartbeat_timeout,
         max_resumes=args.max_resumes,
@@ -175,7 +187,16 @@ def build_model(options: ServeOptions) -> tuple[ServedModel, Decoder | None]:
     """The served model's boundary half, and the decoder for an in-process worker."""
     if options.fake:
         name = options.served_model_name or "fake"
-        decoder = FakeDecoder(options.fake_step_ms / 1000) if options.local_worker else None
+        decoder = (
+            FakeDecoder(
+                options.fake_step_ms / 1000,
+                prefill_s_per_token=options.fake_prefill_ms_per_token / 1000,
+                prefix_caching=options.prefix_caching,
+                kv_cache_tokens=options.kv_cache_tokens,
+            )
+            if options.local_worker
+            else None
+        )
         return FakeChatModel(name, options.max_context), decoder
     from adapters.engine.model import load_model
 

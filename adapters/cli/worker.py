@@ -16,7 +16,7 @@ import socket
 
 import trio
 
-from adapters.cli import add_weights_argument
+from adapters.cli import add_kv_cache_arguments, add_weights_argument
 from adapters.runtime.tcp import RemoteWorker
 from adapters.runtime.worker_host import Decoder, FakeDecoder, engine_decoder
 from core.worker import WorkerConfig
@@ -43,11 +43,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_weights_argument(parser)
+    add_kv_cache_arguments(parser)
     parser.add_argument(
         "--fake", action="store_true", help="a deterministic fake decoder instead of a model"
     )
     parser.add_argument("--fake-step-ms", type=float, default=0.0)
     parser.add_argument("--fake-prefill-ms", type=float, default=0.0)
+    parser.add_argument(
+        "--fake-prefill-ms-per-token", type=float, default=0.0, metavar="MS",
+        help="... and this per context token not found in its prefix cache",
+    )  # fmt: skip
     parser.add_argument("--fake-ignore-eos", action="store_true", help="fixed-length outputs")
     parser.add_argument(
         "--fake-hang-after", type=int, default=None, metavar="STEPS",
@@ -77,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
             args.fake_prefill_ms / 1000,
             args.fake_ignore_eos,
             args.fake_hang_after,
+            prefill_s_per_token=args.fake_prefill_ms_per_token / 1000,
+            prefix_caching=not args.no_prefix_cache,
+            kv_cache_tokens=args.kv_cache_tokens,
         )
         max_context = args.max_context
     else:

@@ -18,6 +18,7 @@ the decoder. Two decoders are provided:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from adapters.runtime.loop import Serial, Timers
+from core.blocks import BlockManager
 from core.fake_model import FakeDecode
 from core.protocol import (
     ArmTimer,
@@ -144,6 +146,14 @@ class WorkerHost:
 class _FakeRun:
     ready_at: float  # prefill ends; the first token may come
     decode: FakeDecode
+    sequence: int | None  # its blocks in the FakeDecoder's pool (None: admitted uncached)
+    prompt_tokens: int
+    written: list[int]  # tokens whose keys and values its blocks hold, once prefilled
+    committed_blocks: int = 0  # full blocks of `written` committed to the pool
+
+
+FAKE_BLOCK_SIZE = 16
+FAKE_CACHE_KEYS = 256  # chain keys a heartbeat carries
 
 
 class FakeDecoder:
@@ -156,6 +166,21 @@ class FakeDecoder:
     makes it wedge for good after that many steps, as a forward pass that never
     returns would (the worker around it keeps heartbeating): a gray failure to
     test the router's progress deadlines against.
+
+    It models a paged KV cache with prefix caching (core/blocks.py), so that
+    routing and benches see what a real engine's cache would do: each assignment
+    holds blocks for its context (prompt and output prefix) and the positions it
+    may write, the context's cached prefix is found at start, and the first token
+    waits prefill_s + prefill_s_per_token per context token not found cached.
+    The context is committed when prefill ends, each output token as the next
+    step writes it (so the next turn of a conversation, resending the answer,
+    finds it too), and the blocks are released when the assignment ends or stops.
+    Prefills overlap (each is a delay of its own); only the first token's time
+    depends on the cache. An assignment the pool cannot hold (every block held
+    by running ones) is admitted uncached: it computes its whole context and
+    holds no blocks. The worker machine has accepted it against its slots
+    already, so waiting would only add a queue the router cannot see; failing it
+    would turn a full cache into errors.
     """
 
     def __init__(
@@ -164,26 +189,65 @@ class FakeDecoder:
         prefill_s: float = 0.0,
         ignore_eos: bool = False,
         hang_after: int | None = None,
+        *,
+        prefill_s_per_token: float = 0.0,
+        prefix_caching: bool = True,
+        kv_cache_tokens: int = 32768,
     ):
         self.step_s = step_s
         self.prefill_s = prefill_s
+        self.prefill_s_per_token = prefill_s_per_token
         self.ignore_eos = ignore_eos
         self.hang_after = hang_after
         self._running: dict[Assignment, _FakeRun] = {}
         self._lot = trio.lowlevel.ParkingLot()
         self.steps = 0
+        self.blocks = BlockManager(
+            max(1, kv_cache_tokens // FAKE_BLOCK_SIZE), FAKE_BLOCK_SIZE, prefix_caching
+        )
+        self._sequences = itertools.count()
+        self.prompt_tokens = 0  # context tokens submitted for prefill, over the decoder's life
+        self.computed_tokens = 0  # ... and those not found cached
+        self.uncached_admissions = 0  # assignments the pool could not hold
+        self._report: CacheReport | None = None  # rebuilt on demand after a change
 
     def start(self, assignment: Assignment, request: GenerationRequest) -> None:
-        ready_at = trio.current_time() + self.prefill_s
+        self.stop(assignment)  # a repeated start replaces the old run and frees its blocks
+        prompt = request.prompt_token_ids
+        context = (*prompt, *request.output_prefix)
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        positions = max(len(context), min(request.context_tokens, capacity))
+        sequence: int | None = None
+        cached = 0
+        if self.blocks.needed(context, positions) <= self.blocks.available:
+            sequence = next(self._sequences)
+            cached = self.blocks.allocate(sequence, context, positions)
+        else:
+            self.uncached_admissions += 1
+        computed = len(context) - cached
+        self.prompt_tokens += len(context)
+        self.computed_tokens += computed
+        self._report = None
+        ready_at = trio.current_time() + self.prefill_s + self.prefill_s_per_token * computed
         decode = FakeDecode(assignment, request, ignore_eos=self.ignore_eos)
-        self._running[assignment] = _FakeRun(ready_at, decode)
+        self._running[assignment] = _FakeRun(ready_at, decode, sequence, len(prompt), list(prompt))
         self._lot.unpark_all()
 
     def stop(self, assignment: Assignment) -> None:
-        self._running.pop(assignment, None)
+        run = self._running.pop(assignment, None)
+        if run is not None:
+            self._release(run)
 
     def cache_report(self) -> CacheReport | None:
-        return None
+        if self._report is None:
+            self._report = CacheReport(
+                self.blocks.block_size,
+                keys=self.blocks.summary(FAKE_CACHE_KEYS),
+                prefill_rate=1 / self.prefill_s_per_token if self.prefill_s_per_token else 0.0,
+                prompt_tokens=self.prompt_tokens,
+                computed_tokens=self.computed_tokens,
+            )
+        return self._report
 
     async def run(
         self,
@@ -216,10 +280,31 @@ class FakeDecoder:
     def _step(self, ready: list[tuple[Assignment, _FakeRun]]) -> list[DecoderEvent]:
         events: list[DecoderEvent] = []
         for assignment, run in ready:
-            if run.decode.step(events):
+            done = run.decode.step(events)
+            self._commit(run)
+            if done:
                 del self._running[assignment]
+                self._release(run)
         self.steps += 1
         return events
+
+    def _commit(self, run: _FakeRun) -> None:
+        """Key the run's newly full blocks: its context, and every output token but the
+        last (a token's keys and values are written when the next step reads it)."""
+        if run.sequence is None:
+            return
+        output = run.decode.generation.output  # the output prefix, then new tokens
+        while len(run.written) < run.prompt_tokens + len(output) - 1:
+            run.written.append(output[len(run.written) - run.prompt_tokens])
+        if len(run.written) // FAKE_BLOCK_SIZE > run.committed_blocks:
+            self.blocks.commit(run.sequence, run.written)
+            run.committed_blocks = len(run.written) // FAKE_BLOCK_SIZE
+            self._report = None
+
+    def _release(self, run: _FakeRun) -> None:
+        if run.sequence is not None:
+            self.blocks.release(run.sequence)
+            self._report = None
 
 
 def default_threads(device_type: str) -> int | None:
