@@ -115,7 +115,7 @@ class BlockManager:
         return blocks_for(positions, self.block_size) - len(shared) + idle
 
     def table(self, key: int) -> list[int]:
-        return self._held[key].table
+        return self._holder(key).table
 
     def holders(self) -> int:
         return len(self._held)
@@ -186,7 +186,7 @@ class BlockManager:
     def extend(self, key: int, positions: int) -> bool:
         """Make sequence `key`'s table cover `positions` positions. False (and no
         change) when the pool has too few blocks left."""
-        held = self._held[key]
+        held = self._holder(key)
         missing = blocks_for(positions, self.block_size) - len(held.table)
         if missing <= 0:
             return True
@@ -199,7 +199,7 @@ class BlockManager:
     def commit(self, key: int, tokens: Sequence[int]) -> None:
         """Sequence `key` has written its first len(tokens) positions (these token
         ids): key its newly full blocks so later sequences can share them."""
-        held = self._held[key]
+        held = self._holder(key)
         full = min(len(tokens) // self.block_size, len(held.table))
         while held.committed < full:
             index = held.committed
@@ -229,6 +229,12 @@ class BlockManager:
                     self._free.append(block)
 
     # --- internals ---
+
+    def _holder(self, key: int) -> _Held:
+        held = self._held.get(key)
+        if held is None:
+            raise BlockError(f"sequence {key} holds no blocks")
+        return held
 
     def _shared_blocks(self, tokens: Sequence[int]) -> list[int]:
         if not self.prefix_caching:
