@@ -251,8 +251,9 @@ def test_every_format_runs_the_engine_and_predicts_like_fp32(
     tiny: LlamaForCausalLM, fmt: str
 ) -> None:
     loaded = LoadedModel(tiny, None, "tiny", frozenset(), 128, "built in the test")
-    reference = LlamaRunner(tiny, 1, 64, "fp32").prefill(0, 0, torch.tensor(PROMPTS[2]), True)
-    logits = LlamaRunner(tiny, 1, 64, fmt).prefill(0, 0, torch.tensor(PROMPTS[2]), True)
+    prompt, table = torch.tensor(PROMPTS[2]), [0, 1, 2, 3]
+    reference = LlamaRunner(tiny, 4, 16, 64, "fp32").prefill(table, 0, prompt, True)
+    logits = LlamaRunner(tiny, 4, 16, 64, fmt).prefill(table, 0, prompt, True)
     assert float((logits - reference).norm() / reference.norm()) < 0.1
     limits = BatchLimits(max_seqs=2, max_context=64, max_step_tokens=8, max_prefill_tokens=4)
     out = run(Engine(loaded, limits, weights=fmt), [GenerationRequest("f", PROMPTS[0], 6)])
