@@ -26,6 +26,28 @@ def add_weights_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# adapters/engine/engine.py DEFAULT_KV_CACHE_TOKENS (named here so as not to import torch).
+DEFAULT_KV_CACHE_TOKENS = 16 * 2048
+
+
+def add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """--no-prefix-cache and --kv-cache-tokens, as serve, worker and the engine bench take
+    them."""
+    parser.add_argument(
+        "--no-prefix-cache",
+        dest="no_prefix_cache",
+        action="store_true",
+        help="never share KV blocks between requests (each prompt is computed whole)",
+    )
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=positive,
+        default=DEFAULT_KV_CACHE_TOKENS,
+        metavar="N",
+        help="token positions the KV cache holds, all sequences together (default %(default)s)",
+    )
+
+
 def natural(text: str) -> int:
     """An argument that must be a whole number, zero or more."""
     try:

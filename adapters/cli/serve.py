@@ -23,7 +23,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
-from adapters.cli import add_weights_argument
+from adapters.cli import DEFAULT_KV_CACHE_TOKENS, add_kv_cache_arguments, add_weights_argument
 from adapters.cli.worker import listen_address
 from adapters.openai.models import ChatModel, FakeChatModel, ServedModel
 from adapters.openai.server import FencepostApp, HttpLimits
@@ -52,6 +52,8 @@ class ServeOptions:
     max_context: int = 2048
     threads: int | None = None
     weights: str = "auto"
+    prefix_caching: bool = True
+    kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS
     fake: bool = False
     fake_step_ms: float = 0.0
     drain_timeout_s: float = 30.0
@@ -80,6 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-context", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_weights_argument(parser)
+    add_kv_cache_arguments(parser)
     parser.add_argument("--fake", action="store_true", help="a fake model: instant made-up words")
     parser.add_argument("--fake-step-ms", type=float, default=0.0)
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS")
@@ -139,6 +142,8 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
         max_context=args.max_context,
         threads=args.threads,
         weights=args.weights,
+        prefix_caching=not args.no_prefix_cache,
+        kv_cache_tokens=args.kv_cache_tokens,
         fake=args.fake,
         fake_step_ms=args.fake_step_ms,
         drain_timeout_s=args.drain_timeout,
@@ -176,7 +181,16 @@ def build_model(options: ServeOptions) -> tuple[ServedModel, Decoder | None]:
     if not options.local_worker:
         return model, None
     slots, weights, threads = options.slots, options.weights, options.threads
-    return model, engine_decoder(loaded, slots, max_context, weights, threads)
+    on_thread = engine_decoder(
+        loaded,
+        slots,
+        max_context,
+        weights,
+        threads,
+        prefix_caching=options.prefix_caching,
+        kv_cache_tokens=options.kv_cache_tokens,
+    )
+    return model, on_thread
 
 
 async def serve_until_signalled(

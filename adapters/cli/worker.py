@@ -16,7 +16,7 @@ import socket
 
 import trio
 
-from adapters.cli import add_weights_argument
+from adapters.cli import add_kv_cache_arguments, add_weights_argument
 from adapters.runtime.tcp import RemoteWorker
 from adapters.runtime.worker_host import Decoder, FakeDecoder, engine_decoder
 from core.worker import WorkerConfig
@@ -43,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_weights_argument(parser)
+    add_kv_cache_arguments(parser)
     parser.add_argument(
         "--fake", action="store_true", help="a deterministic fake decoder instead of a model"
     )
@@ -83,7 +84,15 @@ def run(args: argparse.Namespace) -> int:
         from adapters.engine.model import load_model
 
         loaded = load_model(args.model)
-        on_thread = engine_decoder(loaded, args.slots, args.max_context, args.weights, args.threads)
+        on_thread = engine_decoder(
+            loaded,
+            args.slots,
+            args.max_context,
+            args.weights,
+            args.threads,
+            prefix_caching=not args.no_prefix_cache,
+            kv_cache_tokens=args.kv_cache_tokens,
+        )
         decoder, max_context = on_thread, on_thread.engine.limits.max_context
     config = WorkerConfig(
         worker_id,
