@@ -91,8 +91,8 @@ def shared_prefix_ttft(engine: Engine, loaded: LoadedModel, prefix_tokens: int) 
         other = (*prefix, *reversed(question))  # the same prefix, another ending
         warm, warm_computed = first_token_s(engine, f"warm-{label}", other)
         print(
-            f"  TTFT, {prefix_tokens}-token prefix ({label}): new {cold * 1e3:7.1f} ms "
-            f"({cold_computed} tokens computed), cached {warm * 1e3:7.1f} ms "
+            f"  TTFT, {prefix_tokens}-token prefix ({label}): first use {cold * 1e3:7.1f} ms "
+            f"({cold_computed} tokens computed), seen before {warm * 1e3:7.1f} ms "
             f"({warm_computed} computed)"
         )
 
