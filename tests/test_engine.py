@@ -166,6 +166,19 @@ def test_a_request_longer_than_a_slot_fails(tiny: LlamaForCausalLM) -> None:
     assert out["big"] == ["failed"]
 
 
+def test_a_request_larger_than_the_whole_kv_pool_fails_and_the_next_runs(
+    tiny: LlamaForCausalLM,
+) -> None:
+    loaded = LoadedModel(tiny, None, "tiny", frozenset(), 128, "built in the test")
+    limits = BatchLimits(max_seqs=4, max_context=128, max_step_tokens=16, max_prefill_tokens=5)
+    eng = Engine(loaded, limits, kv_cache_tokens=32)  # two blocks of 16
+    big = GenerationRequest("big", PROMPTS[2], 20)  # 19 + 20 positions: three blocks
+    small = GenerationRequest("small", PROMPTS[0], 20)  # 7 + 20: two
+    out = run(eng, [big, small])
+    assert out["big"] == ["failed"]
+    assert out["small"] == [*hf_greedy(tiny, PROMPTS[0], 20), "length"]
+
+
 def test_out_of_vocabulary_prompt_is_refused(tiny: LlamaForCausalLM) -> None:
     with pytest.raises(ValueError, match="vocabulary"):
         engine(tiny).start(Assignment("v", 1), GenerationRequest("v", (1, VOCAB + 5), 4))
