@@ -179,6 +179,27 @@ def test_a_request_larger_than_the_whole_kv_pool_fails_and_the_next_runs(
     assert out["small"] == [*hf_greedy(tiny, PROMPTS[0], 20), "length"]
 
 
+def test_preemption_and_prefix_sharing_in_a_tiny_pool_change_no_token(
+    tiny: LlamaForCausalLM,
+) -> None:
+    """Six requests, three of them sharing a 16-token prefix, in a pool of five
+    blocks: sequences are preempted and recomputed, yet every output equals the
+    roomy run's, and every block is back (free or cached) at the end."""
+    shared = tuple(range(40, 56))
+    prompts = [*PROMPTS, (*shared, 3), (*shared, 4, 5), shared]
+    requests = [GenerationRequest(f"q{i}", p, 24) for i, p in enumerate(prompts)]
+    roomy = run(engine(tiny), requests)
+    loaded = LoadedModel(tiny, None, "tiny", frozenset(), 128, "built in the test")
+    limits = BatchLimits(max_seqs=4, max_context=128, max_step_tokens=16, max_prefill_tokens=5)
+    tight = Engine(loaded, limits, kv_cache_tokens=5 * 16)
+    assert run(tight, requests) == roomy
+    assert tight.preemptions > 0 and tight.blocks.hits > 0
+    assert tight.blocks.holders() == 0
+    assert tight.blocks.free_blocks() + tight.blocks.cached_blocks() == 5
+    report = tight.cache_report()
+    assert report.computed_tokens < report.prompt_tokens
+
+
 def test_out_of_vocabulary_prompt_is_refused(tiny: LlamaForCausalLM) -> None:
     with pytest.raises(ValueError, match="vocabulary"):
         engine(tiny).start(Assignment("v", 1), GenerationRequest("v", (1, VOCAB + 5), 4))
