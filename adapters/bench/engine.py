@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from adapters.engine.engine import DEFAULT_KV_CACHE_TOKENS, Engine
+from adapters.engine.llama import DEFAULT_BLOCK_SIZE
 from adapters.engine.model import LoadedModel, chat_token_ids, load_model
 from core.batching import BatchLimits
 from core.protocol import Assignment, Decoded, GenerationRequest, Sampling
@@ -120,6 +121,7 @@ def main(
     prefix_caching: bool = True,
     kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
     shared_prefix: int | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
@@ -132,7 +134,8 @@ def main(
         f"engine bench: {loaded.name} on {device} ({next(loaded.model.parameters()).dtype}), "
         f"{torch.get_num_threads()} torch threads, prompt {len(prompt)} tokens, "
         f"{tokens} new tokens per request, engine weights {weights}, "
-        f"prefix cache {'on' if prefix_caching else 'off'}, KV cache {kv_cache_tokens} tokens"
+        f"prefix cache {'on' if prefix_caching else 'off'}, KV cache {kv_cache_tokens} tokens "
+        f"in blocks of {block_size}"
     )
     hf = hf_generate_rate(loaded, prompt, tokens)
     print(f"  HF generate, 1 stream:              {hf:8.1f} tok/s   (1.00x)")
@@ -143,6 +146,7 @@ def main(
         weights=weights,
         prefix_caching=prefix_caching,
         kv_cache_tokens=kv_cache_tokens,
+        block_size=block_size,
     )
     engine_run(engine, prompt, 1, 8)  # warm up
     rows = []

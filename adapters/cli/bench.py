@@ -143,6 +143,10 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     add_weights_argument(parser)
     add_kv_cache_arguments(parser)
     parser.add_argument(
+        "--block-size", type=positive, default=16, metavar="TOKENS",
+        help="positions per KV cache block (default %(default)s, chosen by measurement)",
+    )  # fmt: skip
+    parser.add_argument(
         "--shared-prefix", type=positive, default=None, metavar="TOKENS",
         help="also time the first token of a request whose TOKENS-token prefix is cached "
         "against one whose prefix is not",
@@ -161,6 +165,7 @@ def _engine(args: argparse.Namespace) -> int:
         prefix_caching=not args.no_prefix_cache,
         kv_cache_tokens=args.kv_cache_tokens,
         shared_prefix=args.shared_prefix,
+        block_size=args.block_size,
     )
 
 
