@@ -200,6 +200,26 @@ def test_preemption_and_prefix_sharing_in_a_tiny_pool_change_no_token(
     assert report.computed_tokens < report.prompt_tokens
 
 
+def test_decoding_rows_in_groups_gives_the_logits_of_one_gather(tiny: LlamaForCausalLM) -> None:
+    """A paged decode of rows whose tables interleave, gathered all at once or in
+    groups of rows (the CPU budget), equals each row's prefill of the same tokens."""
+    runner = LlamaRunner(tiny, 12, 4, 64, "fp32")
+    tables = [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]
+    contexts = [torch.tensor(p[:13]) for p in (PROMPTS[2], tuple(range(30, 50)), PROMPTS[2][::-1])]
+    expected = []
+    for table, context in zip(tables, contexts, strict=True):
+        expected.append(runner.prefill(table, 0, context))
+        runner.prefill(table, 0, context[:-1])  # the decode below writes the last token
+    positions, tokens = torch.tensor([12, 12, 12]), torch.stack([c[-1] for c in contexts])
+    pages = runner.pages(tables, 13)
+    whole = runner.decode(pages, positions, tokens)
+    runner._gather_bytes = 1  # one row per group
+    assert len(runner._row_groups(pages, 3)) == 3
+    grouped = runner.decode(pages, positions, tokens)
+    assert torch.allclose(whole, torch.stack(expected), atol=1e-5)
+    assert torch.allclose(grouped, whole, atol=1e-6)
+
+
 def test_out_of_vocabulary_prompt_is_refused(tiny: LlamaForCausalLM) -> None:
     with pytest.raises(ValueError, match="vocabulary"):
         engine(tiny).start(Assignment("v", 1), GenerationRequest("v", (1, VOCAB + 5), 4))
