@@ -140,9 +140,9 @@ class LlamaRunner:
         self.sin = angles.sin().to(self.state_dtype)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # [kv_heads, slot, dim] per layer: a gather of [rows, length] slots gives
-        # [kv_heads, rows, length, dim], ready for batched products without a
-        # second copy (engine.md compares this with a block-major layout).
+        # [kv_heads, slot, dim] per layer: gathering whole blocks of each row's
+        # table gives [kv_heads, rows, length, dim], ready for the batched products
+        # without a second copy (engine.md compares this with a block-major layout).
         shape = (len(self.layers), self.kv_heads, num_blocks * block_size, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.state_dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.state_dtype, device=self.device)
