@@ -166,6 +166,60 @@ def test_a_request_longer_than_a_slot_fails(tiny: LlamaForCausalLM) -> None:
     assert out["big"] == ["failed"]
 
 
+def test_a_request_larger_than_the_whole_kv_pool_fails_and_the_next_runs(
+    tiny: LlamaForCausalLM,
+) -> None:
+    loaded = LoadedModel(tiny, None, "tiny", frozenset(), 128, "built in the test")
+    limits = BatchLimits(max_seqs=4, max_context=128, max_step_tokens=16, max_prefill_tokens=5)
+    eng = Engine(loaded, limits, kv_cache_tokens=32)  # two blocks of 16
+    big = GenerationRequest("big", PROMPTS[2], 20)  # 19 + 20 positions: three blocks
+    small = GenerationRequest("small", PROMPTS[0], 20)  # 7 + 20: two
+    out = run(eng, [big, small])
+    assert out["big"] == ["failed"]
+    assert out["small"] == [*hf_greedy(tiny, PROMPTS[0], 20), "length"]
+
+
+def test_preemption_and_prefix_sharing_in_a_tiny_pool_change_no_token(
+    tiny: LlamaForCausalLM,
+) -> None:
+    """Six requests, three of them sharing a 16-token prefix, in a pool of five
+    blocks: sequences are preempted and recomputed, yet every output equals the
+    roomy run's, and every block is back (free or cached) at the end."""
+    shared = tuple(range(40, 56))
+    prompts = [*PROMPTS, (*shared, 3), (*shared, 4, 5), shared]
+    requests = [GenerationRequest(f"q{i}", p, 24) for i, p in enumerate(prompts)]
+    roomy = run(engine(tiny), requests)
+    loaded = LoadedModel(tiny, None, "tiny", frozenset(), 128, "built in the test")
+    limits = BatchLimits(max_seqs=4, max_context=128, max_step_tokens=16, max_prefill_tokens=5)
+    tight = Engine(loaded, limits, kv_cache_tokens=5 * 16)
+    assert run(tight, requests) == roomy
+    assert tight.preemptions > 0 and tight.blocks.hits > 0
+    assert tight.blocks.holders() == 0
+    assert tight.blocks.free_blocks() + tight.blocks.cached_blocks() == 5
+    report = tight.cache_report()
+    assert report.computed_tokens < report.prompt_tokens
+
+
+def test_decoding_rows_in_groups_gives_the_logits_of_one_gather(tiny: LlamaForCausalLM) -> None:
+    """A paged decode of rows whose tables interleave, gathered all at once or in
+    groups of rows (the CPU budget), equals each row's prefill of the same tokens."""
+    runner = LlamaRunner(tiny, 12, 4, 64, "fp32")
+    tables = [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]
+    contexts = [torch.tensor(p[:13]) for p in (PROMPTS[2], tuple(range(30, 50)), PROMPTS[2][::-1])]
+    expected = []
+    for table, context in zip(tables, contexts, strict=True):
+        expected.append(runner.prefill(table, 0, context))
+        runner.prefill(table, 0, context[:-1])  # the decode below writes the last token
+    positions, tokens = torch.tensor([12, 12, 12]), torch.stack([c[-1] for c in contexts])
+    pages = runner.pages(tables, 13)
+    whole = runner.decode(pages, positions, tokens)
+    runner._gather_bytes = 1  # one row per group
+    assert len(runner._row_groups(pages, 3)) == 3
+    grouped = runner.decode(pages, positions, tokens)
+    assert torch.allclose(whole, torch.stack(expected), atol=1e-5)
+    assert torch.allclose(grouped, whole, atol=1e-6)
+
+
 def test_out_of_vocabulary_prompt_is_refused(tiny: LlamaForCausalLM) -> None:
     with pytest.raises(ValueError, match="vocabulary"):
         engine(tiny).start(Assignment("v", 1), GenerationRequest("v", (1, VOCAB + 5), 4))
@@ -251,8 +305,9 @@ def test_every_format_runs_the_engine_and_predicts_like_fp32(
     tiny: LlamaForCausalLM, fmt: str
 ) -> None:
     loaded = LoadedModel(tiny, None, "tiny", frozenset(), 128, "built in the test")
-    reference = LlamaRunner(tiny, 1, 64, "fp32").prefill(0, 0, torch.tensor(PROMPTS[2]), True)
-    logits = LlamaRunner(tiny, 1, 64, fmt).prefill(0, 0, torch.tensor(PROMPTS[2]), True)
+    prompt, table = torch.tensor(PROMPTS[2]), [0, 1, 2, 3]
+    reference = LlamaRunner(tiny, 4, 16, 64, "fp32").prefill(table, 0, prompt, True)
+    logits = LlamaRunner(tiny, 4, 16, 64, fmt).prefill(table, 0, prompt, True)
     assert float((logits - reference).norm() / reference.norm()) < 0.1
     limits = BatchLimits(max_seqs=2, max_context=64, max_step_tokens=8, max_prefill_tokens=4)
     out = run(Engine(loaded, limits, weights=fmt), [GenerationRequest("f", PROMPTS[0], 6)])

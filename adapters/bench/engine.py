@@ -8,6 +8,10 @@ to the memory-bandwidth bound (every weight read once per token).
 
 EOS is ignored on both sides (HF: min_new_tokens), so every run generates
 exactly the requested number of tokens and the rates compare like for like.
+
+With --shared-prefix N it also times the first token of a request that
+starts with N tokens of text already in the prefix cache (an earlier request
+with another question computed them) against one whose N tokens are new.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from typing import Any
 
 import torch
 
-from adapters.engine.engine import Engine
+from adapters.engine.engine import DEFAULT_KV_CACHE_TOKENS, Engine
+from adapters.engine.llama import DEFAULT_BLOCK_SIZE
 from adapters.engine.model import LoadedModel, chat_token_ids, load_model
 from core.batching import BatchLimits
 from core.protocol import Assignment, Decoded, GenerationRequest, Sampling
@@ -62,6 +67,37 @@ def engine_run(
     return produced / (time.perf_counter() - began), decode_steps
 
 
+def first_token_s(engine: Engine, rid: str, prompt: tuple[int, ...]) -> tuple[float, int]:
+    """(seconds to the first token, tokens computed, not found cached) of one request."""
+    computed = engine.cache_report().computed_tokens
+    engine.start(Assignment(rid, 1), GenerationRequest(rid, prompt, 1))
+    began = time.perf_counter()
+    first = None
+    while engine.has_work():
+        events = engine.step()
+        if first is None and any(isinstance(e, Decoded) for e in events):
+            first = time.perf_counter() - began
+    assert first is not None
+    return first, engine.cache_report().computed_tokens - computed
+
+
+def shared_prefix_ttft(engine: Engine, loaded: LoadedModel, prefix_tokens: int) -> None:
+    """First-token time with a cached prefix of `prefix_tokens` tokens, and without."""
+    from adapters.engine.quality import text_tokens
+
+    text = text_tokens(loaded, 2 * prefix_tokens)
+    question = _prompt_ids(loaded)
+    for label, prefix in (("a", text[:prefix_tokens]), ("b", text[prefix_tokens:])):
+        cold, cold_computed = first_token_s(engine, f"cold-{label}", (*prefix, *question))
+        other = (*prefix, *reversed(question))  # the same prefix, another ending
+        warm, warm_computed = first_token_s(engine, f"warm-{label}", other)
+        print(
+            f"  TTFT, {prefix_tokens}-token prefix ({label}): first use {cold * 1e3:7.1f} ms "
+            f"({cold_computed} tokens computed), seen before {warm * 1e3:7.1f} ms "
+            f"({warm_computed} computed)"
+        )
+
+
 def memory_bandwidth_gbs(device: Any) -> float:
     """Read+write bandwidth of a 256 MiB tensor copy, best of five."""
     source = torch.ones(64 << 20, dtype=torch.float32, device=device)
@@ -82,6 +118,10 @@ def main(
     concurrency: list[int],
     threads: int | None,
     weights: str = "float",
+    prefix_caching: bool = True,
+    kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
+    shared_prefix: int | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
@@ -93,12 +133,21 @@ def main(
     print(
         f"engine bench: {loaded.name} on {device} ({next(loaded.model.parameters()).dtype}), "
         f"{torch.get_num_threads()} torch threads, prompt {len(prompt)} tokens, "
-        f"{tokens} new tokens per request, engine weights {weights}"
+        f"{tokens} new tokens per request, engine weights {weights}, "
+        f"prefix cache {'on' if prefix_caching else 'off'}, KV cache {kv_cache_tokens} tokens "
+        f"in blocks of {block_size}"
     )
     hf = hf_generate_rate(loaded, prompt, tokens)
     print(f"  HF generate, 1 stream:              {hf:8.1f} tok/s   (1.00x)")
     limits = BatchLimits(max_seqs=max(concurrency), max_context=2048)
-    engine = Engine(endless, limits, weights=weights)
+    engine = Engine(
+        endless,
+        limits,
+        weights=weights,
+        prefix_caching=prefix_caching,
+        kv_cache_tokens=kv_cache_tokens,
+        block_size=block_size,
+    )
     engine_run(engine, prompt, 1, 8)  # warm up
     rows = []
     steps_at_max: list[float] = []
@@ -128,6 +177,8 @@ def main(
             f"  batch-1 bandwidth bound {bound:.1f} tok/s; fencepost 1 stream reaches "
             f"{single / bound:.0%} of it"
         )
+    if shared_prefix is not None:
+        shared_prefix_ttft(engine, loaded, shared_prefix)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"  peak RSS: {peak_mib:.0f} MiB")
     return 0

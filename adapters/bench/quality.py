@@ -16,7 +16,7 @@ import time
 import torch
 
 from adapters.engine.choose import cpu_flags, working_formats
-from adapters.engine.llama import LlamaRunner
+from adapters.engine.llama import DEFAULT_BLOCK_SIZE, LlamaRunner
 from adapters.engine.model import LoadedModel, load_model
 from adapters.engine.quality import GATE, greedy_agreement, passes, perplexities
 
@@ -26,13 +26,16 @@ def step_and_bytes(
 ) -> tuple[float, int]:
     """(median one-row decode step in ms with `context` random tokens in the cache,
     bytes of weights a step reads)."""
-    runner = LlamaRunner(loaded.model, 1, context + steps + 1, fmt)
-    slot, token = torch.tensor([0]), torch.tensor([17])
-    runner.prefill(0, 0, torch.randint(0, runner.vocab_size, (context,)))
+    positions = context + steps + 1
+    blocks = -(-positions // DEFAULT_BLOCK_SIZE)
+    runner = LlamaRunner(loaded.model, blocks, DEFAULT_BLOCK_SIZE, positions, fmt)
+    table, token = list(range(blocks)), torch.tensor([17])
+    runner.prefill(table, 0, torch.randint(0, runner.vocab_size, (context,)))
     times = []
     for index in range(steps):
         began = time.perf_counter()
-        runner.decode(slot, torch.tensor([context + index]), token)
+        pages = runner.pages([table], context + index + 1)
+        runner.decode(pages, torch.tensor([context + index]), token)
         times.append(time.perf_counter() - began)
     return sorted(times)[len(times) // 2] * 1e3, runner.weight_bytes()
 

@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from adapters.cli import add_weights_argument, positive
+from adapters.cli import add_kv_cache_arguments, add_weights_argument, positive
 
 Flags = Callable[[argparse.ArgumentParser], None]
 Runner = Callable[[argparse.Namespace], int]
@@ -184,6 +184,16 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", default="1,4,8,16", help="comma-separated stream counts")
     parser.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
     add_weights_argument(parser)
+    add_kv_cache_arguments(parser)
+    parser.add_argument(
+        "--block-size", type=positive, default=16, metavar="TOKENS",
+        help="positions per KV cache block (default %(default)s, chosen by measurement)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--shared-prefix", type=positive, default=None, metavar="TOKENS",
+        help="also time the first token of a request whose TOKENS-token prefix is cached "
+        "against one whose prefix is not",
+    )  # fmt: skip
 
 
 def _engine(args: argparse.Namespace) -> int:
@@ -195,6 +205,10 @@ def _engine(args: argparse.Namespace) -> int:
         concurrency=list(counts(args.concurrency)),
         threads=args.threads,
         weights=args.weights,
+        prefix_caching=not args.no_prefix_cache,
+        kv_cache_tokens=args.kv_cache_tokens,
+        shared_prefix=args.shared_prefix,
+        block_size=args.block_size,
     )
 
 

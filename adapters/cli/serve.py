@@ -206,7 +206,16 @@ def build_model(options: ServeOptions) -> tuple[ServedModel, Decoder | None]:
     if not options.local_worker:
         return model, None
     slots, weights, threads = options.slots, options.weights, options.threads
-    return model, engine_decoder(loaded, slots, max_context, weights, threads)
+    on_thread = engine_decoder(
+        loaded,
+        slots,
+        max_context,
+        weights,
+        threads,
+        prefix_caching=options.prefix_caching,
+        kv_cache_tokens=options.kv_cache_tokens,
+    )
+    return model, on_thread
 
 
 async def serve_until_signalled(

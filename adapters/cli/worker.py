@@ -91,7 +91,15 @@ def run(args: argparse.Namespace) -> int:
         from adapters.engine.model import load_model
 
         loaded = load_model(args.model)
-        on_thread = engine_decoder(loaded, args.slots, args.max_context, args.weights, args.threads)
+        on_thread = engine_decoder(
+            loaded,
+            args.slots,
+            args.max_context,
+            args.weights,
+            args.threads,
+            prefix_caching=not args.no_prefix_cache,
+            kv_cache_tokens=args.kv_cache_tokens,
+        )
         decoder, max_context = on_thread, on_thread.engine.limits.max_context
     config = WorkerConfig(
         worker_id,

@@ -76,17 +76,19 @@ def working_formats(device: torch.device) -> list[str]:
 def decode_step_s(model: Any, fmt: str, rows: int, repeats: int = 5) -> float:
     """Seconds for one decode step of `rows` rows at position 128 on the real model in
     `fmt` (best of `repeats`): the products, norms, attention and all."""
-    from adapters.engine.llama import LlamaRunner
+    from adapters.engine.llama import DEFAULT_BLOCK_SIZE, LlamaRunner
 
-    runner = LlamaRunner(model, rows, 160, fmt)
-    slots = torch.arange(rows)
+    per_row = -(-160 // DEFAULT_BLOCK_SIZE)
+    runner = LlamaRunner(model, rows * per_row, DEFAULT_BLOCK_SIZE, 160, fmt)
+    tables = [list(range(row * per_row, (row + 1) * per_row)) for row in range(rows)]
+    pages = runner.pages(tables, 129)
     positions = torch.full((rows,), 128)
     tokens = torch.zeros(rows, dtype=torch.long)
-    runner.decode(slots, positions, tokens)  # warm
+    runner.decode(pages, positions, tokens)  # warm
     best = float("inf")
     for _ in range(repeats):
         began = time.perf_counter()
-        runner.decode(slots, positions, tokens)
+        runner.decode(pages, positions, tokens)
         best = min(best, time.perf_counter() - began)
     return best
 

@@ -16,11 +16,21 @@ refuses a sampled request without one.
 
 What happens to a chosen token (its index, the stop rule, an already-ended
 continuation) is core/decoding.py's Generation, shared with the fake decoders.
+
+KV memory is a pool of blocks (adapters/engine/llama.py holds the tensors,
+core/blocks.py's BlockManager decides who holds which block). A waiting
+sequence is admitted when a row is free and the pool has blocks for its known
+context (blocks already cached for its prefix are shared, not computed
+again). Before each step every decoding sequence is given the block its next
+position needs; when the pool is out, the most recently admitted sequence is
+preempted by recompute: its blocks go back, and it waits at the head of the
+queue with its context = prompt + output so far, its Generation intact, so it
+goes on at the next index (mostly from the cache, where its blocks survive).
+Every full block written, prompt or output, is committed to the cache.
 """
 
 from __future__ import annotations
 
-import heapq
 import queue
 import threading
 import time
@@ -31,12 +41,14 @@ from typing import NamedTuple
 import torch
 
 from adapters.engine.choose import choose
-from adapters.engine.llama import LlamaRunner
+from adapters.engine.llama import DEFAULT_BLOCK_SIZE, LlamaRunner
 from adapters.engine.model import LoadedModel, say
-from core.batching import BatchLimits, Running, Waiting, admit, plan_step
+from core.batching import BatchLimits, Running, plan_step
+from core.blocks import BlockManager, blocks_for
 from core.decoding import Generation
 from core.protocol import (
     Assignment,
+    CacheReport,
     DecodeDone,
     DecoderEvent,
     DecoderFailed,
@@ -44,6 +56,13 @@ from core.protocol import (
 )
 
 _MASK63 = (1 << 63) - 1
+
+DEFAULT_KV_CACHE_TOKENS = 16 * 2048  # the memory of 16 sequences of 2048 tokens
+REPORTED_KEYS = 256  # chain keys in each CacheReport
+# The keys are listed again at most this often: with a full cache the listing costs
+# ~0.6 ms, 5% of a one-row step, and heartbeats read them only every 0.5 s.
+KEYS_EVERY_S = 0.2
+_RATE_WEIGHT = 0.2  # of the newest measurement in the prefill rate's moving average
 
 
 def token_seed(seed: int, index: int) -> int:
@@ -69,13 +88,23 @@ class _Sequence:
     key: int
     request: GenerationRequest
     generation: Generation  # the output so far: a continuation starts with its prefix
-    context: tuple[int, ...]  # what prefill puts in the cache: prompt + any output prefix
-    slot: int = -1
-    prefilled: int = 0
+    context: tuple[int, ...]  # what prefill puts in the cache: prompt + output so far
+    prefilled: int = 0  # context tokens in the cache (found cached or computed)
 
     @property
     def assignment(self) -> Assignment:
         return self.generation.assignment
+
+    @property
+    def position(self) -> int:
+        """Where a decode step writes: the position of the last output token."""
+        return len(self.request.prompt_token_ids) + self.generation.next_index - 1
+
+    def written(self, count: int) -> tuple[int, ...]:
+        """The first `count` tokens of prompt + output (what the cache holds, in order)."""
+        if count <= len(self.context):
+            return self.context[:count]
+        return (*self.request.prompt_token_ids, *self.generation.output)[:count]
 
     def draw(self) -> TokenDraw:
         """The draw for this sequence's next token."""
@@ -89,35 +118,57 @@ class StepTiming:
     """What the last step did, for benchmarks."""
 
     decode_rows: int = 0
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0  # computed this step (not found cached)
     seconds: float = 0.0
+    prefill_seconds: float = 0.0  # of `seconds`, from the end of decoding to the step's end
+    cached_tokens: int = 0  # found in the prefix cache by this step's admissions
+    preempted: int = 0  # sequences sent back to wait this step
 
 
 class Engine:
     """weights: a format of adapters/engine/weights.py, or "auto" to choose one by
-    capability, quality and speed at start (adapters/engine/choose.py, logged)."""
+    capability, quality and speed at start (adapters/engine/choose.py, logged).
+
+    kv_cache_tokens: positions the KV pool holds, all sequences together (blocks
+    of block_size); prefix_caching: share committed blocks between sequences."""
 
     def __init__(
-        self, loaded: LoadedModel, limits: BatchLimits | None = None, weights: str = "fp32"
+        self,
+        loaded: LoadedModel,
+        limits: BatchLimits | None = None,
+        weights: str = "fp32",
+        *,
+        prefix_caching: bool = True,
+        kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         limits = limits or BatchLimits(max_context=min(2048, loaded.max_context))
         if limits.max_context > loaded.max_context:
             raise ValueError(f"max_context {limits.max_context} > the model's {loaded.max_context}")
+        if kv_cache_tokens < block_size:
+            raise ValueError(f"kv_cache_tokens {kv_cache_tokens} is less than one block")
         self.loaded = loaded
         self.limits = limits
         if weights == "auto":
             choice = choose(loaded, limits.max_seqs, say)
             say(choice.reason)
             weights = choice.format
-        self.runner = LlamaRunner(loaded.model, limits.max_seqs, limits.max_context, weights)
+        num_blocks = kv_cache_tokens // block_size
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
+        self.runner = LlamaRunner(loaded.model, num_blocks, block_size, limits.max_context, weights)
         self.device = self.runner.device
         self._keys = 0
-        self._waiting: dict[int, _Sequence] = {}
-        self._running: dict[int, _Sequence] = {}
+        self._waiting: dict[int, _Sequence] = {}  # in queue order
+        self._running: dict[int, _Sequence] = {}  # in admission order
         self._by_assignment: dict[Assignment, int] = {}
-        self._free_slots = list(range(limits.max_seqs))  # a heap: lowest slot first
         self._ended: list[DecoderEvent] = []  # continuations that were over at start
         self.last_step = StepTiming()
+        self.preemptions = 0
+        self._prompt_tokens = 0  # context tokens submitted for prefill, recomputes included
+        self._computed_tokens = 0  # of those, prefilled (not found cached)
+        self._prefill_rate = 0.0  # tokens/s, moving average over steps that prefilled
+        self._report = CacheReport(block_size)
+        self._keys_at = -KEYS_EVERY_S  # when the report's keys were last listed
 
     # --- commands ---
 
@@ -148,9 +199,8 @@ class Engine:
         if key is None:
             return
         self._waiting.pop(key, None)
-        seq = self._running.pop(key, None)
-        if seq is not None:
-            heapq.heappush(self._free_slots, seq.slot)
+        if self._running.pop(key, None) is not None:
+            self.blocks.release(key)
 
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._ended)
@@ -159,67 +209,133 @@ class Engine:
     def active(self) -> int:
         return len(self._running)
 
+    def cache_report(self) -> CacheReport:
+        """The prefix cache as of the last step (a snapshot: safe from any thread)."""
+        return self._report
+
     # --- one step ---
 
     def step(self) -> list[DecoderEvent]:
         began = time.perf_counter()
         events: list[DecoderEvent] = list(self._ended)
         self._ended.clear()
-        self._admit(events)
+        preempted = self._grow()
+        cached = self._admit(events)
         running = [
             Running(seq.key, len(seq.context), seq.prefilled) for seq in self._running.values()
         ]
         plan = plan_step(running, self.limits)
         if plan.decode:
-            # In slot order, so that slots 0..n-1 can be read from the cache as one view.
-            decoding = sorted((self._running[key] for key in plan.decode), key=lambda s: s.slot)
-            self._decode(decoding, events)
+            self._decode([self._running[key] for key in plan.decode], events)
+        decoded = time.perf_counter()
         for key, count in plan.prefill:
             seq = self._running.get(key)
             if seq is not None:
                 self._prefill(seq, count, events)
+        ended = time.perf_counter()
+        prefilled = plan.tokens - len(plan.decode)
+        if prefilled:
+            rate = prefilled / max(ended - decoded, 1e-9)
+            old = self._prefill_rate
+            self._prefill_rate = rate if old == 0 else old + _RATE_WEIGHT * (rate - old)
         self.last_step = StepTiming(
-            len(plan.decode), plan.tokens - len(plan.decode), time.perf_counter() - began
+            len(plan.decode), prefilled, ended - began, ended - decoded, cached, preempted
+        )
+        keys = self._report.keys
+        if ended - self._keys_at >= KEYS_EVERY_S:
+            keys, self._keys_at = self.blocks.summary(REPORTED_KEYS), ended
+        self._report = CacheReport(
+            self.blocks.block_size,
+            keys,
+            self._prefill_rate,
+            self._prompt_tokens,
+            self._computed_tokens,
         )
         return events
 
-    def _admit(self, events: list[DecoderEvent]) -> None:
-        waiting = [Waiting(s.key, s.request.context_tokens) for s in self._waiting.values()]
-        decision = admit(waiting, len(self._running), self.limits)
-        for key in decision.rejected:
-            seq = self._waiting.pop(key)
-            del self._by_assignment[seq.assignment]
-            events.append(DecodeDone(seq.assignment, "failed"))
-        for key in decision.admitted:
-            seq = self._waiting.pop(key)
-            seq.slot = heapq.heappop(self._free_slots)
+    def _grow(self) -> int:
+        """Give each decoding sequence the block its next position needs, oldest first;
+        when the pool is out, preempt the most recently admitted. Returns how many
+        were preempted."""
+        preempted = 0
+        for key in list(self._running):
+            seq = self._running.get(key)
+            if seq is None or seq.prefilled < len(seq.context):
+                continue  # gone, or still prefilling (its context's blocks are held)
+            while not self.blocks.extend(key, seq.position + 1):
+                victim = next(reversed(self._running))
+                self._preempt(victim)
+                preempted += 1
+                if victim == key:
+                    break
+        return preempted
+
+    def _preempt(self, key: int) -> None:
+        """Send a running sequence back to the head of the queue, to be recomputed."""
+        seq = self._running.pop(key)
+        self.blocks.release(key)
+        seq.context = (*seq.request.prompt_token_ids, *seq.generation.output)
+        seq.prefilled = 0
+        self._waiting = {key: seq, **self._waiting}
+        self.preemptions += 1
+
+    def _admit(self, events: list[DecoderEvent]) -> int:
+        """FIFO while a row is free and the pool has blocks for the head's context, with
+        one block to spare for each running sequence's growth. A sequence that could
+        never run (beyond max_context, or beyond the whole pool) fails. Returns the
+        tokens found cached."""
+        block_size, total_blocks = self.blocks.block_size, self.blocks.num_blocks
+        cached = 0
+        blocked = False
+        for key, seq in list(self._waiting.items()):
+            whole = seq.request.context_tokens
+            if whole > self.limits.max_context or blocks_for(whole, block_size) > total_blocks:
+                del self._waiting[key]
+                del self._by_assignment[seq.assignment]
+                events.append(DecodeDone(seq.assignment, "failed"))
+                continue
+            if blocked or len(self._running) >= self.limits.max_seqs:
+                continue  # nobody overtakes the head; later ones may still be refused
+            need = self.blocks.needed(seq.context, len(seq.context))
+            if need + len(self._running) > self.blocks.available:
+                blocked = True
+                continue
+            del self._waiting[key]
+            found = self.blocks.allocate(key, seq.context, len(seq.context))
+            seq.prefilled = found
+            cached += found
+            self._prompt_tokens += len(seq.context)
             self._running[key] = seq
+        return cached
 
     def _decode(self, seqs: list[_Sequence], events: list[DecoderEvent]) -> None:
         device = self.device
-        slots = torch.tensor([s.slot for s in seqs], device=device)
-        positions = torch.tensor(
-            [len(s.request.prompt_token_ids) + s.generation.next_index - 1 for s in seqs],
-            device=device,
-        )
+        where = [seq.position for seq in seqs]
+        pages = self.runner.pages([self.blocks.table(seq.key) for seq in seqs], max(where) + 1)
+        positions = torch.tensor(where, device=device)
         tokens = torch.tensor([s.generation.output[-1] for s in seqs], device=device)
-        logits = self.runner.decode(slots, positions, tokens)
+        logits = self.runner.decode(pages, positions, tokens)
+        for seq, position in zip(seqs, where, strict=True):
+            if (position + 1) % self.blocks.block_size == 0:  # it filled a block
+                self.blocks.commit(seq.key, seq.written(position + 1))
         picks = sample_rows(logits, [seq.draw() for seq in seqs])
         for seq, token in zip(seqs, picks, strict=True):
             self._emit(seq, token, events)
 
     def _prefill(self, seq: _Sequence, count: int, events: list[DecoderEvent]) -> None:
-        prompt = seq.context
-        chunk = torch.tensor(prompt[seq.prefilled : seq.prefilled + count], device=self.device)
-        logits = self.runner.prefill(seq.slot, seq.prefilled, chunk)
+        context = seq.context
+        chunk = torch.tensor(context[seq.prefilled : seq.prefilled + count], device=self.device)
+        logits = self.runner.prefill(self.blocks.table(seq.key), seq.prefilled, chunk)
         seq.prefilled += count
-        if seq.prefilled == len(prompt):
+        self._computed_tokens += count
+        self.blocks.commit(seq.key, context[: seq.prefilled])
+        if seq.prefilled == len(context):
             [token] = sample_rows(logits[None], [seq.draw()])
             self._emit(seq, token, events)
 
     def _emit(self, seq: _Sequence, token: int, events: list[DecoderEvent]) -> None:
         if seq.generation.emit(token, events):
-            self.stop(seq.assignment)  # its slot is free for the next step
+            self.stop(seq.assignment)  # its row and blocks are free for the next step
 
     def reset(self) -> list[Assignment]:
         """Forget everything (after a failed step); returns what was dropped."""

@@ -1,12 +1,16 @@
-"""A batched Llama forward pass over per-slot KV caches, using a transformers model's weights.
+"""A batched Llama forward pass over a paged KV cache, using a transformers model's weights.
 
 transformers loads the model (from GGUF or an HF directory) and we read its
 weights; the forward pass is our own so that one call can decode a batch of
-sequences that sit at different positions, each with its own cache slot. The
-cache is one preallocated tensor per layer, [slots, kv_heads, max_context,
-head_dim]: a sequence owns one slot from admission to its end, writes its keys
-and values at its own positions, and attends over its own prefix only (a mask
-from per-row lengths). Nothing is copied when sequences join or leave.
+sequences that sit at different positions. The KV cache is a pool of
+`num_blocks` blocks of `block_size` positions, one key and one value tensor
+per layer laid out [kv_heads, num_blocks * block_size, head_dim]: cache slot
+block * block_size + offset. A sequence's block table (core/blocks.py decides
+it) says which blocks hold its positions in order; it writes each new key and
+value at its position's slot and attends over its own prefix only, gathered
+through its table (or read as a view when the table is one contiguous run).
+Nothing is copied when sequences join or leave, and blocks holding a shared
+prefix are read by every sequence that shares it.
 
 Supported: the Llama family as transformers implements it (LlamaForCausalLM:
 RMSNorm, rotary embeddings without scaling, grouped-query attention, SiLU-gated
@@ -28,6 +32,12 @@ from adapters.engine.weights import (
     output_format,
     projection,
 )
+
+DEFAULT_BLOCK_SIZE = 16  # positions per KV block, chosen by measurement (engine.md)
+# On CPU, decode attention gathers at most this many bytes of keys and values at
+# once; more rows are attended in groups, so that what a gather writes is still in
+# cache when the products read it (16 rows x 1000 positions: 15% faster a step).
+CPU_GATHER_BYTES = 8 << 20
 
 
 class UnsupportedModel(Exception):
@@ -64,9 +74,22 @@ class LayerWeights(NamedTuple):
     down: Projection
 
 
+class Pages(NamedTuple):
+    """Where the rows of one forward pass keep their keys and values in the pool.
+
+    `run` is set when there is one row and its table is one contiguous run of
+    blocks: its cache is then read as a view, with no gather (the usual case
+    for a lone sequence, since fresh blocks are handed out lowest first).
+    """
+
+    tables: torch.Tensor  # [rows, width] block ids; a short row is padded with any block
+    length: int  # positions read: width * block_size (a gather) or the row's length (a run)
+    run: int | None  # first cache slot of a one-row contiguous table
+
+
 class LlamaRunner:
-    """The model's weights in one format (adapters/engine/weights.py), per-slot KV caches,
-    and the forward passes.
+    """The model's weights in one format (adapters/engine/weights.py), the paged KV
+    pool, and the forward passes.
 
     Two dtypes: products take and give the format's activation dtype (fp32 for
     fp32 weights, bf16 otherwise); everything between them (the residual stream,
@@ -77,7 +100,14 @@ class LlamaRunner:
     dtype.
     """
 
-    def __init__(self, model: Any, max_seqs: int, max_context: int, weights: str = "fp32") -> None:
+    def __init__(
+        self,
+        model: Any,
+        num_blocks: int,
+        block_size: int,
+        max_context: int,
+        weights: str = "fp32",
+    ) -> None:
         _check_supported(model)
         if weights not in FORMATS:
             raise ValueError(f"unknown weight format {weights!r}; one of {', '.join(FORMATS)}")
@@ -108,10 +138,16 @@ class LlamaRunner:
         angles = torch.cat([angles, angles], dim=-1)
         self.cos = angles.cos().to(self.state_dtype)
         self.sin = angles.sin().to(self.state_dtype)
-        shape = (len(self.layers), max_seqs, self.kv_heads, max_context, self.head_dim)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # [kv_heads, slot, dim] per layer: gathering whole blocks of each row's
+        # table gives [kv_heads, rows, length, dim], ready for the batched products
+        # without a second copy (engine.md compares this with a block-major layout).
+        shape = (len(self.layers), self.kv_heads, num_blocks * block_size, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.state_dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.state_dtype, device=self.device)
-        self._slot_ids = torch.arange(max_seqs, device=self.device)
+        self._gathered = [torch.empty(0, device=self.device) for _ in range(2)]  # k, v
+        self._gather_bytes = CPU_GATHER_BYTES if self.device.type == "cpu" else None
         self._q_size = self.heads * self.head_dim
         self._kv_size = self.kv_heads * self.head_dim
 
@@ -123,57 +159,71 @@ class LlamaRunner:
             total += layer.qkv.nbytes + layer.o.nbytes + layer.gate_up.nbytes + layer.down.nbytes
         return total
 
+    def pages(self, tables: list[list[int]], length: int) -> Pages:
+        """The Pages of rows with these block tables, each read up to `length` positions."""
+        width = -(-length // self.block_size)
+        padded = [table[:width] + [0] * (width - len(table[:width])) for table in tables]
+        ids = torch.tensor(padded, device=self.device)
+        if len(tables) == 1 and len(tables[0]) >= width and _contiguous(tables[0][:width]):
+            return Pages(ids, length, tables[0][0] * self.block_size)
+        return Pages(ids, width * self.block_size, None)
+
     @torch.inference_mode()
-    def decode(
-        self, slots: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor
-    ) -> torch.Tensor:
-        """One token for each row (slot, position, token) -> logits [rows, vocab]."""
-        rows = tokens.shape[0]
-        packed = bool(torch.equal(slots, self._slot_ids[:rows]))
+    def decode(self, pages: Pages, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """One token for each row (its table in `pages`, position, token) -> logits
+        [rows, vocab]. Each row's table must cover its position."""
+        rows, length = tokens.shape[0], pages.length
         x = self.embed[tokens]
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
-        length = int(positions.max()) + 1
+        writes = self._slots(pages.tables, positions[:, None])[:, 0]
         span = torch.arange(length, device=self.device)
         # Added to the scores: 0 up to a row's own position, -inf past it.
-        past = (span[None, :] > positions[:, None]).view(rows, 1, 1, length)
+        past = (span[None, :] > positions[:, None]).view(1, rows, 1, length)
         mask = torch.zeros(past.shape, dtype=self.state_dtype, device=self.device)
         mask = mask.masked_fill(past, float("-inf"))
+        groups = self._row_groups(pages, rows)
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(x, layer, cos, sin)
             k_cache, v_cache = self.k_cache[index], self.v_cache[index]
-            k_cache[slots, :, positions] = k
-            v_cache[slots, :, positions] = v
-            if packed:  # rows are slots 0..rows-1 in order: a view, no copy
-                keys, values = k_cache[:rows, :, :length], v_cache[:rows, :, :length]
-            else:
-                keys, values = k_cache[slots, :, :length], v_cache[slots, :, :length]
-            attn = self._attend_one(q, keys, values, mask)
-            x = x + layer.o(attn.view(rows, self._q_size).to(self.dtype))
+            k_cache[:, writes] = k.transpose(0, 1)
+            v_cache[:, writes] = v.transpose(0, 1)
+            parts = []
+            for first, group in groups:
+                keys, values = self._read(k_cache, group, 0), self._read(v_cache, group, 1)
+                end = first + group.tables.shape[0]
+                parts.append(self._attend_one(q[first:end], keys, values, mask[:, first:end]))
+            attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+            x = x + layer.o(attn.to(self.dtype))
             x = x + self._mlp(x, layer)
         return self._logits(x)
 
     @torch.inference_mode()
     def prefill(
-        self, slot: int, start: int, tokens: torch.Tensor, every_position: bool = False
+        self, table: list[int], start: int, tokens: torch.Tensor, every_position: bool = False
     ) -> torch.Tensor:
-        """Put a chunk of one sequence's prompt in its cache -> logits of its last token
-        (or [count, vocab], every position's, to score a text)."""
+        """Put a chunk of one sequence's context (positions start.. of the sequence whose
+        blocks are `table`) in the cache -> logits of its last token (or [count, vocab],
+        every position's, to score a text)."""
         count = tokens.shape[0]
         end = start + count
+        pages = self.pages([table], end)
         x = self.embed[tokens]
         cos, sin = self.cos[start:end][:, None, :], self.sin[start:end][:, None, :]
-        span = torch.arange(end, device=self.device)
         positions = torch.arange(start, end, device=self.device)
+        writes = self._slots(pages.tables, positions[None, :])[0]
+        read = pages.length
+        span = torch.arange(read, device=self.device)
         mask = (span[None, :] <= positions[:, None])[None, None, :, :]
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(x, layer, cos, sin)
             k_cache, v_cache = self.k_cache[index], self.v_cache[index]
-            k_cache[slot, :, start:end] = k.transpose(0, 1)
-            v_cache[slot, :, start:end] = v.transpose(0, 1)
+            k_cache[:, writes] = k.transpose(0, 1)
+            v_cache[:, writes] = v.transpose(0, 1)
+            keys, values = self._read(k_cache, pages, 0), self._read(v_cache, pages, 1)
             attn = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None],
-                k_cache[slot : slot + 1, :, :end],
-                v_cache[slot : slot + 1, :, :end],
+                keys.reshape(1, self.kv_heads, read, self.head_dim),
+                values.reshape(1, self.kv_heads, read, self.head_dim),
                 attn_mask=mask,
                 enable_gqa=True,
                 scale=1.0,  # the query weights carry 1/sqrt(head_dim)
@@ -183,26 +233,72 @@ class LlamaRunner:
             x = x + self._mlp(x, layer)
         return self._logits(x) if every_position else self._logits(x[-1:])[0]
 
+    def _row_groups(self, pages: Pages, rows: int) -> list[tuple[int, Pages]]:
+        """(first row, its Pages) of each group of rows attended together: all rows at
+        once unless their gathered keys and values would exceed the CPU budget."""
+        if pages.run is not None or self._gather_bytes is None:
+            return [(0, pages)]
+        row_bytes = 2 * self.kv_heads * pages.length * self.head_dim * self.k_cache.element_size()
+        size = max(1, self._gather_bytes // row_bytes)
+        if size >= rows:
+            return [(0, pages)]
+        return [
+            (first, pages._replace(tables=pages.tables[first : first + size]))
+            for first in range(0, rows, size)
+        ]
+
+    def _read(self, cache: torch.Tensor, pages: Pages, which: int) -> torch.Tensor:
+        """One layer's keys (which 0) or values (1) of the rows in `pages`: [kv_heads,
+        length, dim] as a view of a one-row run, else whole blocks gathered into a
+        reused buffer, [kv_heads, rows, length, dim]. Each block is block_size * dim
+        contiguous values, so the gather copies runs of kilobytes; the buffer is kept
+        because a fresh tensor of megabytes a layer cost more in page faults on CPU
+        than the copy itself."""
+        if pages.run is not None:
+            return cache[:, pages.run : pages.run + pages.length]
+        rows, width = pages.tables.shape
+        shape = (self.kv_heads, rows * width, self.block_size, self.head_dim)
+        size = shape[0] * shape[1] * shape[2] * shape[3]
+        if self._gathered[which].numel() < size:
+            self._gathered[which] = torch.empty(size, dtype=cache.dtype, device=cache.device)
+        out = self._gathered[which][:size].view(shape)
+        by_block = cache.view(self.kv_heads, self.num_blocks, self.block_size, self.head_dim)
+        torch.index_select(by_block, 1, pages.tables.flatten(), out=out)
+        return out.view(self.kv_heads, rows, width * self.block_size, self.head_dim)
+
+    def _slots(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Cache slots of `positions` ([rows, n]) through each row's table ([rows, width])."""
+        blocks = tables.gather(1, positions // self.block_size)
+        return blocks * self.block_size + positions % self.block_size
+
     def _attend_one(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         """Attention for one new token per row: q [rows, heads, dim] (already scaled) over
-        keys and values [rows, kv_heads, length, dim] -> [rows, heads, dim].
+        keys and values [kv_heads, rows, length, dim] (or [kv_heads, length, dim] for
+        one row) -> [rows, heads * dim].
 
         Written out rather than through scaled_dot_product_attention: for a single
         query, torch's CPU flash kernel spent ~0.5 ms per call on fixed costs, 14 of
         a 23 ms step at 30 layers. Query heads that share a key head are stacked
         as rows of one product (grouped-query attention without copying keys);
-        bmm reads the cache's strided slices in place.
+        the batch runs key head major, the cache's own order.
         """
-        rows, group, length = q.shape[0], self.heads // self.kv_heads, keys.shape[2]
+        rows, group = q.shape[0], self.heads // self.kv_heads
+        length = keys.shape[-2]
         batch = rows * self.kv_heads
-        queries = q.reshape(batch, group, self.head_dim)
-        scores = torch.bmm(queries, keys.reshape(batch, length, self.head_dim).transpose(1, 2))
-        scores = scores.view(rows, self.kv_heads, group, length) + mask
+        queries = q.view(rows, self.kv_heads, group, self.head_dim).transpose(0, 1)
+        queries = queries.reshape(batch, group, self.head_dim)
+        keys = keys.reshape(batch, length, self.head_dim)
+        scores = torch.bmm(queries, keys.transpose(1, 2))
+        scores = scores.view(self.kv_heads, rows, group, length) + mask
         weights = torch.softmax(scores, dim=-1).view(batch, group, length)
         out = torch.bmm(weights, values.reshape(batch, length, self.head_dim))
-        return out.view(rows, self.heads, self.head_dim)
+        return (
+            out.view(self.kv_heads, rows, group * self.head_dim)
+            .transpose(0, 1)
+            .reshape(rows, self._q_size)
+        )
 
     def _qkv(
         self, x: torch.Tensor, layer: LayerWeights, cos: torch.Tensor, sin: torch.Tensor
@@ -236,6 +332,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def _contiguous(table: list[int]) -> bool:
+    return all(block == table[0] + i for i, block in enumerate(table))
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

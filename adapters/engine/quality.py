@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from adapters.engine.llama import LlamaRunner
+from adapters.engine.llama import DEFAULT_BLOCK_SIZE, LlamaRunner
 from adapters.engine.model import LoadedModel, cache_root, chat_token_ids, model_key
 
 GATE = 0.02  # a default format's perplexity may exceed fp32's by at most 2%
@@ -58,14 +58,16 @@ def text_tokens(loaded: LoadedModel, count: int) -> list[int]:
 
 
 def perplexity(runner: LlamaRunner, tokens: list[int], chunk: int = 256) -> float:
-    """exp(mean NLL of each token given all before it), prefilled in chunks into slot 0."""
+    """exp(mean NLL of each token given all before it), prefilled in chunks into one
+    sequence that holds every block of the runner's pool."""
     if len(tokens) > runner.max_context:
         raise ValueError(f"{len(tokens)} tokens do not fit a context of {runner.max_context}")
     ids = torch.tensor(tokens, device=runner.device)
+    table = list(range(runner.num_blocks))
     total, count = 0.0, 0
     for start in range(0, len(tokens) - 1, chunk):
         end = min(start + chunk, len(tokens) - 1)
-        logits = runner.prefill(0, start, ids[start:end], every_position=True)
+        logits = runner.prefill(table, start, ids[start:end], every_position=True)
         log_probs = torch.log_softmax(logits.float(), dim=-1)
         targets = ids[start + 1 : end + 1]
         total -= float(log_probs.gather(1, targets[:, None]).sum())
@@ -131,7 +133,8 @@ def perplexities(
             continue
         if say is not None:
             say(f"quality gate: scoring {fmt} weights on {tokens} tokens of reference text")
-        runner = LlamaRunner(loaded.model, 1, tokens + 1, fmt)
+        blocks = -(-(tokens + 1) // DEFAULT_BLOCK_SIZE)
+        runner = LlamaRunner(loaded.model, blocks, DEFAULT_BLOCK_SIZE, tokens + 1, fmt)
         known[fmt] = perplexity(runner, ids)
         del runner
     path.parent.mkdir(parents=True, exist_ok=True)

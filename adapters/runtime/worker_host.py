@@ -321,14 +321,22 @@ def default_threads(device_type: str) -> int | None:
 
 
 def engine_decoder(
-    loaded: LoadedModel, slots: int, max_context: int, weights: str, threads: int | None
+    loaded: LoadedModel,
+    slots: int,
+    max_context: int,
+    weights: str,
+    threads: int | None,
+    *,
+    prefix_caching: bool = True,
+    kv_cache_tokens: int | None = None,
 ) -> EngineDecoder:
     """The torch engine for a loaded model: `slots` sequences of at most max_context
-    tokens (capped at the model's own), stepping on its own thread. The torch threads
-    are set first, so that choosing the weight format measures what serving will run."""
+    tokens (capped at the model's own) sharing a KV cache of kv_cache_tokens positions
+    (None: the engine's default), stepping on its own thread. The torch threads are
+    set first, so that choosing the weight format measures what serving will run."""
     import torch
 
-    from adapters.engine.engine import Engine
+    from adapters.engine.engine import DEFAULT_KV_CACHE_TOKENS, Engine
     from core.batching import BatchLimits
 
     device = next(loaded.model.parameters()).device.type
@@ -337,7 +345,14 @@ def engine_decoder(
     if threads is not None:
         torch.set_num_threads(threads)
     limits = BatchLimits(max_seqs=slots, max_context=min(max_context, loaded.max_context))
-    return EngineDecoder(Engine(loaded, limits, weights=weights), threads)
+    engine = Engine(
+        loaded,
+        limits,
+        weights=weights,
+        prefix_caching=prefix_caching,
+        kv_cache_tokens=kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS,
+    )
+    return EngineDecoder(engine, threads)
 
 
 class EngineDecoder:
@@ -360,7 +375,7 @@ class EngineDecoder:
             self._thread.stop(assignment)
 
     def cache_report(self) -> CacheReport | None:
-        return None
+        return self.engine.cache_report()
 
     async def run(
         self,
