@@ -62,11 +62,13 @@ def run(eng: Engine, requests: list[GenerationRequest]) -> dict[str, list[int | 
     for request in requests:
         eng.start(Assignment(request.request_id, 1), request)
     out: dict[str, list[int | str]] = {r.request_id: [] for r in requests}
+    by_id = {r.request_id: r for r in requests}
     while eng.has_work():
         for event in eng.step():
             rid = event.assignment.request_id
             if isinstance(event, Decoded):
-                assert event.index == sum(isinstance(t, int) for t in out[rid])
+                prefix = len(by_id[rid].output_prefix)  # a continuation starts at index k
+                assert event.index == prefix + sum(isinstance(t, int) for t in out[rid])
                 out[rid].append(event.token_id)
             else:
                 out[rid].append(event.reason)

@@ -211,7 +211,10 @@ def test_an_error_after_the_stream_started_is_sent_in_stream_then_done() -> None
         wait_settled(server)
 
 
-def raw_request(port: int, body: dict[str, Any], rcvbuf: int | None = None) -> socket.socket:
+def raw_request(
+    port: int, body: dict[str, Any], rcvbuf: int | None = None, trailing: bytes = b""
+) -> socket.socket:
+    """A socket that has sent one chat request (then `trailing`, bytes past its body)."""
     sock = socket.socket()
     if rcvbuf is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
@@ -221,7 +224,7 @@ def raw_request(port: int, body: dict[str, Any], rcvbuf: int | None = None) -> s
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
     )
-    sock.sendall(head.encode() + payload)
+    sock.sendall(head.encode() + payload + trailing)
     return sock
 
 
@@ -436,16 +439,8 @@ def test_an_unfinished_body_gets_a_408_and_the_socket_is_closed_at_once() -> Non
 
 def test_bytes_past_the_declared_body_are_refused_and_the_socket_closed() -> None:
     with ServerThread(ServeOptions(port=0, fake=True)) as server:
-        payload = json.dumps(chat_body(max_tokens=3)).encode()
-        sock = socket.create_connection(("127.0.0.1", server.serving.http_port))
-        with sock:
-            sock.sendall(
-                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                b"Content-Type: application/json\r\n"
-                + f"Content-Length: {len(payload)}\r\n\r\n".encode()
-                + payload
-                + b"not a request at all\r\n\r\n"
-            )
+        port, body = server.serving.http_port, chat_body(max_tokens=3)
+        with raw_request(port, body, trailing=b"not a request at all\r\n\r\n") as sock:
             data, closed_after = read_until_eof(sock, timeout_s=5)
         # The declared request is answered; what follows it is not HTTP, gets
         # a 400, and the connection ends there.
@@ -456,15 +451,7 @@ def test_bytes_past_the_declared_body_are_refused_and_the_socket_closed() -> Non
 
 def test_an_idle_keep_alive_connection_is_closed_after_its_timeout() -> None:
     with ServerThread(ServeOptions(port=0, fake=True, keep_alive_timeout_s=0.5)) as server:
-        payload = json.dumps(chat_body(max_tokens=3)).encode()
-        sock = socket.create_connection(("127.0.0.1", server.serving.http_port))
-        with sock:
-            sock.sendall(
-                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                b"Content-Type: application/json\r\n"
-                + f"Content-Length: {len(payload)}\r\n\r\n".encode()
-                + payload
-            )
+        with raw_request(server.serving.http_port, chat_body(max_tokens=3)) as sock:
             data, closed_after = read_until_eof(sock, timeout_s=5)
         assert data.startswith(b"HTTP/1.1 200"), data
         assert closed_after is not None and 0.3 < closed_after < 2.0, closed_after

@@ -19,7 +19,8 @@ from adapters.engine.model import LoadedModel, chat_token_ids, load_model
 from adapters.engine.quality import text_tokens
 from adapters.runtime.worker_host import EngineDecoder
 from core.batching import BatchLimits
-from core.protocol import Assignment, Decoded, DecodeDone, GenerationRequest
+from core.protocol import Assignment, DecodeDone, GenerationRequest
+from tests.test_engine import run
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,27 +46,6 @@ def text(loaded: LoadedModel) -> list[int]:
 def engine(loaded: LoadedModel, max_seqs: int = 4, **options: object) -> Engine:
     limits = BatchLimits(max_seqs=max_seqs, max_context=512)
     return Engine(loaded, limits, "fp32", **options)  # type: ignore[arg-type]
-
-
-def run(eng: Engine, requests: list[GenerationRequest]) -> dict[str, list[int | str]]:
-    """Start every request at once and step until done: request id -> tokens, then reason."""
-    for request in requests:
-        eng.start(Assignment(request.request_id, 1), request)
-    out: dict[str, list[int | str]] = {r.request_id: [] for r in requests}
-    while eng.has_work():
-        for event in eng.step():
-            rid = event.assignment.request_id
-            if isinstance(event, Decoded):
-                tokens = [t for t in out[rid] if isinstance(t, int)]
-                assert event.index == len(tokens) + _prefix_length(requests, rid)
-                out[rid].append(event.token_id)
-            elif isinstance(event, DecodeDone):
-                out[rid].append(event.reason)
-    return out
-
-
-def _prefix_length(requests: list[GenerationRequest], rid: str) -> int:
-    return next(len(r.output_prefix) for r in requests if r.request_id == rid)
 
 
 def ask(loaded: LoadedModel, document: str, question: str) -> tuple[int, ...]:

@@ -103,22 +103,6 @@ class Server:
                 self.process.wait(10)
 
 
-async def scrape(port: int, names: tuple[str, ...]) -> dict[str, float]:
-    """The named /metrics series, each summed over its labels."""
-
-    def get() -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-            return str(reply.read().decode())
-
-    text = await trio.to_thread.run_sync(get)
-    found: dict[str, float] = {}
-    for line in text.splitlines():
-        for name in names:
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return found
-
-
 async def series(port: int) -> dict[str, float]:
     """Every /metrics series by its full name, labels included (`name{kind="x"}`)."""
 
@@ -132,6 +116,16 @@ async def series(port: int) -> dict[str, float]:
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             found[name] = float(value)
+    return found
+
+
+async def scrape(port: int, names: tuple[str, ...]) -> dict[str, float]:
+    """The named /metrics series, each summed over its labels."""
+    found: dict[str, float] = {}
+    for full, value in (await series(port)).items():
+        name = full.split("{", 1)[0]
+        if name in names:
+            found[name] = found.get(name, 0.0) + value
     return found
 
 
