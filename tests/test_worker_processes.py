@@ -221,9 +221,12 @@ def test_a_hung_decoder_is_left_behind_and_its_streams_finish_elsewhere(
     work while it is stuck."""
     token_timeout_s = 0.5
     config = RouterConfig(
-        offer_timeout_s=1.0,
+        # Wide offer and first-token deadlines: on a loaded machine a 1 s offer
+        # timeout once gave up on w1's attempts before their first token (a
+        # retry, not the resume this test is about).
+        offer_timeout_s=3.0,
         heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
-        first_token_timeout_s=2.0,
+        first_token_timeout_s=4.0,
         prefill_timeout_per_token_s=0.0,
         token_timeout_s=token_timeout_s,
         stuck_probe_s=60.0,
