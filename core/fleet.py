@@ -167,11 +167,12 @@ class Fleet:
         if worker is not None:
             last = max(last, worker.epoch, worker.gone_epoch)
         epoch = self.assigned[worker_id] = last + 1
-        if worker is not None and worker.health is not Health.GONE:
-            # The id's new process retires the old one (live only on a takeover): its
-            # heartbeats are stale from now on, and what it held is lost at once
+        if worker is not None:
+            # The id's new process retires every older epoch (a live one only on a
+            # takeover), including one handed out but not yet heard from: their
+            # heartbeats are stale from now on, and what they held is lost at once
             # rather than revived by a late heartbeat until the new one's first.
-            self.on_worker_gone(worker_id, worker.epoch, f"replaced by epoch {epoch}", out)
+            self.on_worker_gone(worker_id, epoch - 1, f"replaced by epoch {epoch}", out)
         out.append(Registration(worker_id, epoch))
 
     def on_heartbeat(self, worker_id: str, beat: Heartbeat, out: list[RouterEffect]) -> None:

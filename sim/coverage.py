@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from core.states import TABLES
 
 _RETIRED = (
-    "handing out a new epoch retires the id's old one at once (core/fleet.py register), "
+    "handing out a new epoch retires all the id's older ones at once (core/fleet.py register), "
     "so a new epoch's heartbeat always finds the worker gone; the move stays in the "
     "table for workers that heartbeat without registering (the router unit tests)"
 )
