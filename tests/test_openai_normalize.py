@@ -11,7 +11,7 @@ from adapters.openai.errors import OpenAIError
 from adapters.openai.normalize import ChatJob, ChatMessage, ModelInfo, normalize_chat_request
 from core.protocol import Sampling
 
-MODEL = ModelInfo("m", max_context=100)
+MODEL = ModelInfo("m", max_context=100, vocab_size=1000)
 
 
 def tokenize(model_id: str, messages: Sequence[ChatMessage]) -> list[int]:
