@@ -77,7 +77,7 @@ def test_a_string_prompt_completes_as_is_with_the_default_16_tokens(server: Serv
 
 
 def test_several_prompts_are_one_choice_each_in_order_and_usage_sums(server: ServerThread) -> None:
-    prompts = ["alpha", "beta gamma", [5, 6, 7, 8], "delta"]
+    prompts = ["alpha", "beta gamma", "epsilon", "delta"]
     done = post(server, body(prompts, max_tokens=30)).json()
     answers = [expected(p, 30) for p in prompts]
     assert [(c["index"], c["text"], c["finish_reason"]) for c in done["choices"]] == [
@@ -119,10 +119,13 @@ def test_token_id_prompts_reach_the_model_unchanged(server: ServerThread) -> Non
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_echo_puts_the_prompt_before_the_completion(server: ServerThread, stream: bool) -> None:
-    prompts: list[Any] = ["echo me", [3, 4]]
+@pytest.mark.parametrize("prompts", [["echo me", "and me"], [[3, 4], [5]]])
+def test_echo_puts_the_prompt_before_the_completion(
+    server: ServerThread, stream: bool, prompts: list[Any]
+) -> None:
     reply = post(server, body(prompts, max_tokens=10, echo=True, stream=stream))
-    echoes = ["echo me", MODEL.decode([3, 4])]  # token ids echo as their decoded text
+    # text echoes as it came; token ids as their decoded text
+    echoes = [p if isinstance(p, str) else MODEL.decode(p) for p in prompts]
     wanted = [echo + expected(p, 10)[0] for echo, p in zip(echoes, prompts, strict=True)]
     if stream:
         texts, _, _ = streamed_choices(reply)
@@ -130,7 +133,7 @@ def test_echo_puts_the_prompt_before_the_completion(server: ServerThread, stream
         first = {}
         for event in sse_events(reply.content)[:-1]:
             first.setdefault(event["choices"][0]["index"], event["choices"][0]["text"])
-        assert first == {0: "echo me", 1: MODEL.decode([3, 4])}
+        assert first == {0: echoes[0], 1: echoes[1]}  # each choice's first chunk
     else:
         assert [c["text"] for c in reply.json()["choices"]] == wanted
 
@@ -171,6 +174,7 @@ REFUSALS = [
     ("empty prompt", {"prompt": ""}, "prompt"),
     ("no prompt", {"prompt": None}, "prompt"),
     ("mixed list", {"prompt": ["a", 1]}, "prompt"),
+    ("text and token ids", {"prompt": ["a", [1]]}, "prompt"),
     ("boolean token", {"prompt": [True, 2]}, "prompt"),
     ("past the context", {"prompt": "x" * 2040, "max_tokens": 9}, "prompt"),
     ("stream_options without stream", {"stream_options": {"include_usage": True}},

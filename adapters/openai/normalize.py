@@ -260,8 +260,8 @@ def _prompts(
     )
     if isinstance(value, str) or (isinstance(value, list) and value and _is_int(value[0])):
         items: list[object] = [value]
-    elif isinstance(value, list) and value:
-        items = value
+    elif isinstance(value, list) and value and len({isinstance(v, str) for v in value}) == 1:
+        items = value  # all strings, or all (to be checked) arrays of token ids
     else:
         return invalid(shape, "prompt")
     if len(items) > MAX_PROMPTS:
