@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import socket
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -12,6 +15,7 @@ import requests
 
 from adapters.cli.serve import ServeOptions
 from adapters.openai.models import FakeChatModel
+from adapters.runtime.worker_host import FakeDecoder
 from core.fake_model import VOCAB, reference_output
 from core.protocol import GenerationRequest
 from tests.http_helpers import ServerThread, sse_events
@@ -213,6 +217,27 @@ def test_an_error_after_the_stream_started_is_sent_in_stream_then_done() -> None
         plain = post(server, body(["a", "b"], max_tokens=100))
         assert plain.status_code == 500 and plain.json()["error"]["code"] == "failed"
         wait_settled(server)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_disconnect_cancels_every_choice(stream: bool) -> None:
+    decoder = FakeDecoder(step_s=0.01, ignore_eos=True)
+    with ServerThread(ServeOptions(port=0, fake=True), decoder=decoder) as server:
+        payload = json.dumps(body(["a", "b", "c"], max_tokens=1500, stream=stream)).encode()
+        sock = socket.create_connection(("127.0.0.1", server.serving.http_port))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        deadline = time.monotonic() + 5
+        while server.statistics().router.requests_by_phase.get("streaming") != 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        sock.close()  # 15 s of generation left for each
+        wait_settled(server, timeout_s=1.5)
+        assert server.statistics().router.outcomes == {"cancelled": 3}
 
 
 def test_the_official_openai_sdk_completes_streamed_and_not(server: ServerThread) -> None:
