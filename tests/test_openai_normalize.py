@@ -239,7 +239,7 @@ def test_every_prompt_shape_becomes_one_request_each_in_order() -> None:
     assert [r.request_id for r in job.requests] == ["cmpl-1-0", "cmpl-1-1"]
     assert [r.prompt_token_ids for r in job.requests] == [(5,), (6, 7)]
     assert all(r.sampling == Sampling(0.5, 1.0, 3) for r in job.requests)
-    assert (job.stop, job.echo, job.model) == (("x",), True, "m")
+    assert (job.shared.stop, job.echo, job.shared.model.id) == (("x",), True, "m")
 
 
 def test_a_completion_gets_16_tokens_by_default_at_most_the_rest_of_the_context() -> None:

@@ -62,18 +62,6 @@ class Prompt(msgspec.Struct, frozen=True):
     text: str | None  # None: given as token ids (echo decodes them)
 
 
-class CompletionJob(msgspec.Struct, frozen=True):
-    """Everything the boundary needs to run one legacy completion: a request per prompt."""
-
-    requests: tuple[GenerationRequest, ...]  # choice i is requests[i]
-    prompts: tuple[Prompt, ...]
-    model: str
-    stream: bool
-    include_usage: bool
-    stop: tuple[str, ...]
-    echo: bool
-
-
 class Shared(msgspec.Struct, frozen=True):
     """The fields chat and legacy completions read alike."""
 
@@ -83,6 +71,15 @@ class Shared(msgspec.Struct, frozen=True):
     sampling: Sampling
     stop: tuple[str, ...]
     budget: int | None  # max tokens asked for; None: not given
+
+
+class CompletionJob(msgspec.Struct, frozen=True):
+    """Everything the boundary needs to run one legacy completion: a request per prompt."""
+
+    requests: tuple[GenerationRequest, ...]  # choice i is requests[i]
+    prompts: tuple[Prompt, ...]
+    echo: bool
+    shared: Shared  # model, stream, include_usage, sampling, stop, as asked
 
 
 ResolveModel = Callable[[str], ModelInfo | None]
@@ -184,10 +181,7 @@ def normalize_completion_request(
             return budget
         rid = f"{request_id}-{i}"
         requests.append(GenerationRequest(rid, prompt.token_ids, budget, shared.sampling))
-    return CompletionJob(
-        tuple(requests), tuple(prompts), model.id, shared.stream, shared.include_usage,
-        shared.stop, bool(echo),
-    )  # fmt: skip
+    return CompletionJob(tuple(requests), tuple(prompts), bool(echo), shared)
 
 
 def _shared(

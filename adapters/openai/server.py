@@ -46,7 +46,6 @@ from adapters.openai.metrics import Metrics
 from adapters.openai.models import ServedModel
 from adapters.openai.normalize import (
     ChatMessage,
-    CompletionJob,
     ModelInfo,
     normalize_chat_request,
     normalize_completion_request,
@@ -281,11 +280,12 @@ class CompletionAnswer(Answer):
     def __init__(
         self,
         answer_id: str,
-        job: CompletionJob,
+        model: str,
+        include_usage: bool,
         generations: list[Generation],
         echoes: list[str],
     ) -> None:
-        super().__init__(answer_id, job.model, job.include_usage, generations)
+        super().__init__(answer_id, model, include_usage, generations)
         self.echoes = echoes  # per choice: the prompt text to put first ("" without echo)
 
     def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
@@ -455,14 +455,15 @@ class FencepostApp:
         streams = self._submit(list(job.requests))
         if isinstance(streams, Response):
             return streams
-        model = self.models[job.model]
-        generations = [Generation(self, model, s, i, job.stop) for i, s in enumerate(streams)]
+        shared = job.shared
+        model = self.models[shared.model.id]
+        generations = [Generation(self, model, s, i, shared.stop) for i, s in enumerate(streams)]
         echoes = [
             (p.text if p.text is not None else model.decode(list(p.token_ids))) if job.echo else ""
             for p in job.prompts
         ]
-        answer = CompletionAnswer(answer_id, job, generations, echoes)
-        return await self._respond(answer, job.stream)
+        answer = CompletionAnswer(answer_id, model.id, shared.include_usage, generations, echoes)
+        return await self._respond(answer, shared.stream)
 
     async def _json_body(self) -> object:
         """The decoded JSON body, or the OpenAIError that refuses it."""
