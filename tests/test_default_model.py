@@ -161,6 +161,37 @@ def test_the_openai_sdk_gets_paris_from_the_served_default_model(first_load: Loa
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == answer
 
 
+def test_the_legacy_completions_endpoint_continues_raw_text_to_paris(
+    first_load: LoadedModel,
+) -> None:
+    import openai
+
+    from adapters.cli.serve import ServeOptions
+    from adapters.openai.models import ChatModel
+    from adapters.runtime.worker_host import EngineDecoder
+    from tests.http_helpers import ServerThread
+
+    model = ChatModel(first_load.name, first_load.tokenizer, 512)
+    engine = Engine(first_load, BatchLimits(max_seqs=4, max_context=512))
+    options = ServeOptions(port=0, max_context=512)
+    with ServerThread(options, decoder=EngineDecoder(engine), model=model) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+        prompt = "The capital of France is"
+        # no chat template: the prompt is the text as it is
+        assert model.tokenize(prompt) == first_load.tokenizer.encode(prompt)
+        done = client.completions.create(
+            model=first_load.name, prompt=prompt, temperature=0, max_tokens=8
+        )
+        assert "Paris" in done.choices[0].text
+        assert done.usage is not None and done.usage.prompt_tokens == len(model.tokenize(prompt))
+        stream = client.completions.create(
+            model=first_load.name, prompt=prompt, temperature=0, max_tokens=8, stream=True,
+            echo=True,
+        )  # fmt: skip
+        streamed = "".join(c.choices[0].text for c in stream if c.choices)
+        assert streamed == prompt + done.choices[0].text
+
+
 def test_a_greedy_continuation_on_the_real_model_equals_the_undisturbed_run(
     first_load: LoadedModel,
 ) -> None:

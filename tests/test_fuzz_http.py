@@ -1,10 +1,13 @@
-"""Fuzzing the served endpoint over TCP: whatever the body, no 5xx, always the envelope.
+"""Fuzzing the served endpoints over TCP: whatever the body, no 5xx, always the envelope.
 
 hypothesis builds request bodies around the real schema (so many get far into
 validation, and some are valid and generate) and around it: wrong types, huge
 and negative numbers, deep nesting, odd unicode, missing and duplicated
 fields, bytes that are not JSON. Each goes to a real server on 127.0.0.1
-(fake model). The default run sends FENCEPOST_FUZZ_EXAMPLES (2,000) cases;
+(fake model): /v1/chat/completions, and /v1/completions with its own fields
+(prompts as text, token ids in and out of the vocabulary, lists of them past
+the batch limit; echo, suffix, best_of). The default run sends
+FENCEPOST_FUZZ_EXAMPLES (2,000) cases to chat and half as many to completions;
 set it higher for a longer run (README).
 """
 
@@ -13,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import requests
@@ -22,6 +25,7 @@ from hypothesis import strategies as st
 
 from adapters.cli.serve import ServeOptions
 from adapters.openai.models import FakeChatModel
+from core.fake_model import VOCAB
 from tests.http_helpers import ServerThread, sse_events
 
 EXAMPLES = int(os.environ.get("FENCEPOST_FUZZ_EXAMPLES", "2000"))
@@ -91,32 +95,72 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "metadata": json_values,
     "x-unknown": json_values,
 }
-BASE_KEYS = ("model", "messages")
-bodies = st.fixed_dictionaries(  # the two required fields valid, the rest drawn ...
-    {"model": st.just("fake"), "messages": st.just([{"role": "user", "content": "hi"}])},
-    optional={k: v for k, v in FIELDS.items() if k not in BASE_KEYS},
-) | st.fixed_dictionaries({}, optional=FIELDS)  # ... or everything drawn, any of it missing
+token_ids = st.integers(-2, 60) | st.sampled_from([VOCAB - 1, VOCAB, 2**63, True]) | json_values
+COMPLETION_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    k: v
+    for k, v in FIELDS.items()
+    if k not in ("messages", "max_completion_tokens", "tools", "tool_choice", "response_format")
+} | {
+    "prompt": odd_text
+    | st.lists(odd_text, max_size=18)
+    | st.lists(token_ids, max_size=20)
+    | st.lists(st.lists(token_ids, max_size=6), max_size=18)
+    | json_values,
+    "echo": st.booleans() | json_values,
+    "suffix": st.sampled_from(["", "x"]) | json_values,
+    "best_of": st.sampled_from([1, 2, 0, True]) | json_values,
+    "logprobs": st.sampled_from([0, 1, 5, False, None]) | json_values,
+}
+
+
+class Endpoint(NamedTuple):
+    path: str
+    fields: dict[str, st.SearchStrategy[Any]]
+    required: dict[str, Any]  # the required fields with valid values
+    objects: tuple[str, str]  # the object of a streamed chunk, of a plain response
+
+    def bodies(self) -> st.SearchStrategy[dict[str, Any]]:
+        return st.fixed_dictionaries(  # the required fields valid, the rest drawn ...
+            {k: st.just(v) for k, v in self.required.items()},
+            optional={k: v for k, v in self.fields.items() if k not in self.required},
+        ) | st.fixed_dictionaries({}, optional=self.fields)  # ... or all drawn, any missing
+
+
+CHAT = Endpoint(
+    "/v1/chat/completions",
+    FIELDS,
+    {"model": "fake", "messages": [{"role": "user", "content": "hi"}]},
+    ("chat.completion.chunk", "chat.completion"),
+)
+COMPLETIONS = Endpoint(
+    "/v1/completions",
+    COMPLETION_FIELDS,
+    {"model": "fake", "prompt": "hi"},
+    ("text_completion", "text_completion"),
+)
 
 
 @st.composite
-def payloads(draw: st.DrawFn) -> tuple[str, bytes]:
+def payloads(draw: st.DrawFn, endpoint: Endpoint) -> tuple[str, bytes]:
     """(content type, raw body)."""
+    bodies = endpoint.bodies()
     kind = draw(st.sampled_from(["json"] * 6 + ["duplicate", "nested", "garbage", "any", "type"]))
     if kind == "json":
         return "application/json", json.dumps(draw(bodies)).encode()
     if kind == "duplicate":  # the same key twice: the last one counts, as in most parsers
         body = draw(bodies)
-        extra = draw(st.sampled_from(sorted(FIELDS)))
+        extra = draw(st.sampled_from(sorted(endpoint.fields)))
         text = json.dumps(body)[:-1] if body else "{"
         sep = ", " if body else ""
         return (
             "application/json",
-            f'{text}{sep}"{extra}": {json.dumps(draw(FIELDS[extra]))}}}'.encode(),
+            f'{text}{sep}"{extra}": {json.dumps(draw(endpoint.fields[extra]))}}}'.encode(),
         )
     if kind == "nested":
         depth = draw(st.integers(1, 5000))
         nested = "[" * depth + "]" * depth
-        return "application/json", f'{{"model": "fake", "messages": {nested}}}'.encode()
+        field = "messages" if endpoint is CHAT else "prompt"
+        return "application/json", f'{{"model": "fake", "{field}": {nested}}}'.encode()
     if kind == "garbage":
         return "application/json", draw(st.binary(max_size=200))
     if kind == "any":
@@ -138,7 +182,7 @@ def session() -> Iterator[requests.Session]:
         yield s
 
 
-def check_reply(reply: requests.Response, streamed: bool) -> None:
+def check_reply(reply: requests.Response, streamed: bool, endpoint: Endpoint) -> None:
     assert reply.status_code < 500, reply.text
     if reply.status_code != 200:
         assert reply.headers["content-type"] == "application/json"
@@ -149,32 +193,41 @@ def check_reply(reply: requests.Response, streamed: bool) -> None:
     if streamed:
         events = sse_events(reply.content)
         assert events[-1] == "[DONE]"
-        assert all(e["object"] == "chat.completion.chunk" for e in events[:-1] if "choices" in e)
+        chunk, _ = endpoint.objects
+        assert all(e["object"] == chunk for e in events[:-1] if "choices" in e)
     else:
         body = reply.json()
-        assert body["object"] == "chat.completion"
-        assert body["choices"][0]["finish_reason"] in ("stop", "length")
+        assert body["object"] == endpoint.objects[1]
+        assert body["choices"]
+        assert all(c["finish_reason"] in ("stop", "length") for c in body["choices"])
 
 
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=True,  # the same cases every run: the suite stays deterministic
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                           HealthCheck.function_scoped_fixture],
-)  # fmt: skip
-@given(payload=payloads())
-def test_no_body_breaks_the_server(
-    server: ServerThread, session: requests.Session, payload: tuple[str, bytes]
-) -> None:
-    ctype, raw = payload
-    headers = {"Content-Type": ctype} if ctype else {}
-    reply = session.post(
-        f"{server.base_url}/v1/chat/completions", data=raw, headers=headers, timeout=30
-    )
-    streamed = reply.headers.get("content-type", "").startswith("text/event-stream")
-    check_reply(reply, streamed)
+def fuzz(endpoint: Endpoint, examples: int) -> Any:
+    """A hypothesis test that posts `examples` drawn payloads to the endpoint."""
+
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,  # the same cases every run: the suite stays deterministic
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                               HealthCheck.function_scoped_fixture],
+    )  # fmt: skip
+    @given(payload=payloads(endpoint))
+    def test(server: ServerThread, session: requests.Session, payload: tuple[str, bytes]) -> None:
+        ctype, raw = payload
+        headers = {"Content-Type": ctype} if ctype else {}
+        reply = session.post(
+            f"{server.base_url}{endpoint.path}", data=raw, headers=headers, timeout=30
+        )
+        streamed = reply.headers.get("content-type", "").startswith("text/event-stream")
+        check_reply(reply, streamed, endpoint)
+
+    return test
+
+
+test_no_body_breaks_the_server = fuzz(CHAT, EXAMPLES)
+test_no_completions_body_breaks_the_server = fuzz(COMPLETIONS, max(1, EXAMPLES // 2))
 
 
 def test_the_server_is_healthy_and_holds_nothing_after_the_fuzzing(server: ServerThread) -> None:

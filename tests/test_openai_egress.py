@@ -79,7 +79,7 @@ def test_the_client_queue_merges_text_when_congested_and_fails_past_the_ceiling(
     async def main() -> None:
         limits = ClientLimits(max_events=8, high_water_bytes=400, low_water_bytes=200,
                               ceiling_bytes=2000)  # fmt: skip
-        queue = ClientQueue(limits, lambda text: f"data: {text}\n\n".encode())
+        queue = ClientQueue(limits, lambda text, _choice: f"data: {text}\n\n".encode())
         queue.put_frame(b"data: first\n\n")
         for i in range(20):
             queue.put_delta(f"w{i:02d} ")
@@ -100,7 +100,7 @@ def test_the_client_queue_merges_text_when_congested_and_fails_past_the_ceiling(
 
 
 def _byte_queue(limits: ClientLimits) -> ClientQueue:
-    return ClientQueue(limits, lambda text: f"data: {text}\n\n".encode())
+    return ClientQueue(limits, lambda text, _choice: f"data: {text}\n\n".encode())
 
 
 def test_congestion_begins_exactly_at_the_high_watermark_and_ends_under_the_low_one() -> None:

@@ -8,10 +8,19 @@ from typing import Any
 import pytest
 
 from adapters.openai.errors import OpenAIError
-from adapters.openai.normalize import ChatJob, ChatMessage, ModelInfo, normalize_chat_request
+from adapters.openai.normalize import (
+    MAX_PROMPTS,
+    ChatJob,
+    ChatMessage,
+    CompletionJob,
+    ModelInfo,
+    Prompt,
+    normalize_chat_request,
+    normalize_completion_request,
+)
 from core.protocol import Sampling
 
-MODEL = ModelInfo("m", max_context=100)
+MODEL = ModelInfo("m", max_context=100, vocab_size=1000)
 
 
 def tokenize(model_id: str, messages: Sequence[ChatMessage]) -> list[int]:
@@ -195,3 +204,75 @@ def test_values_just_past_a_limit_or_falsy_refusals_are_400_naming_the_field(
 ) -> None:
     error = refused(**fields)
     assert (error.status, error.param) == (400, param)
+
+
+# --- the legacy /v1/completions ---
+
+
+def complete(**fields: Any) -> CompletionJob | OpenAIError:
+    def tokenize(model_id: str, text: str) -> list[int]:
+        return [ord(c) % 1000 for c in text]  # one token per character, within the vocabulary
+
+    body = {"model": "m", "prompt": "hi"} | fields
+    return normalize_completion_request(body, {"m": MODEL}.get, tokenize, "cmpl-1")
+
+
+def completion_ok(**fields: Any) -> CompletionJob:
+    job = complete(**fields)
+    assert isinstance(job, CompletionJob), job
+    return job
+
+
+def completion_refused(**fields: Any) -> OpenAIError:
+    error = complete(**fields)
+    assert isinstance(error, OpenAIError), error
+    return error
+
+
+def test_every_prompt_shape_becomes_one_request_each_in_order() -> None:
+    hi = (ord("h"), ord("i"))
+    assert completion_ok().prompts == (Prompt(hi, "hi"),)
+    assert completion_ok(prompt=["hi", "a"]).prompts == (Prompt(hi, "hi"), Prompt((97,), "a"))
+    assert completion_ok(prompt=[0, 999]).prompts == (Prompt((0, 999), None),)
+    job = completion_ok(prompt=[[5], [6, 7]], temperature=0.5, seed=3, stop="x", echo=True)
+    assert job.prompts == (Prompt((5,), None), Prompt((6, 7), None))
+    assert [r.request_id for r in job.requests] == ["cmpl-1-0", "cmpl-1-1"]
+    assert [r.prompt_token_ids for r in job.requests] == [(5,), (6, 7)]
+    assert all(r.sampling == Sampling(0.5, 1.0, 3) for r in job.requests)
+    assert (job.shared.stop, job.echo, job.shared.model.id) == (("x",), True, "m")
+
+
+def test_a_completion_gets_16_tokens_by_default_at_most_the_rest_of_the_context() -> None:
+    assert completion_ok().requests[0].max_new_tokens == 16
+    assert completion_ok(prompt="x" * 90).requests[0].max_new_tokens == 10
+    assert completion_ok(prompt="x" * 90, max_tokens=10).requests[0].max_new_tokens == 10
+    error = completion_refused(prompt=["hi", "x" * 90], max_tokens=11)
+    assert (error.code, error.param) == ("context_length_exceeded", "prompt")
+    assert "prompt 1" in error.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"suffix": "x"}, "suffix"), ({"logprobs": 0}, "logprobs"), ({"best_of": 2}, "best_of"),
+        ({"best_of": 0}, "best_of"), ({"n": 2}, "n"), ({"echo": 1}, "echo"),
+        ({"frequency_penalty": 1}, "frequency_penalty"), ({"logit_bias": {"1": 2}}, "logit_bias"),
+        ({"prompt": ["a"] * (MAX_PROMPTS + 1)}, "prompt"), ({"prompt": [1000]}, "prompt"),
+        ({"prompt": [-1]}, "prompt"), ({"prompt": [[1], [1000]]}, "prompt"),
+        ({"prompt": ""}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": [[]]}, "prompt"),
+        ({"prompt": ["a", [1]]}, "prompt"), ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": [1.0]}, "prompt"), ({"prompt": [False]}, "prompt"),
+        ({"prompt": None}, "prompt"), ({"prompt": [[1], "a"]}, "prompt"),
+        ({"prompt": {"text": "a"}}, "prompt"), ({"temperature": 3}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"), ({"model": ""}, "model"),
+    ],
+)  # fmt: skip
+def test_completion_refusals_name_the_field(fields: dict[str, Any], param: str) -> None:
+    error = completion_refused(**fields)
+    assert (error.status, error.param) == (400, param)
+
+
+def test_completion_edges_that_are_accepted() -> None:
+    completion_ok(prompt=["a"] * MAX_PROMPTS, suffix="", logprobs=None, best_of=1, n=1, echo=False)
+    completion_ok(prompt=[0, 999], presence_penalty=0, user="u", unknown=[1])
+    assert completion_refused(model="gpt-9").status == 404

@@ -16,7 +16,9 @@ client never slows the controller or the decode loop. It holds at most
 `max_events` events; when the events or their bytes pass the high watermark
 the queue is congested and new text is merged into the last pending delta
 (fewer, larger chunks, the same text) until the writer brings it under the
-low watermark. Past a hard byte ceiling the client is hopeless: the queue
+low watermark. Deltas carry their choice's index (a legacy completion with
+several prompts streams several choices through one queue); only deltas of the
+same choice merge. Past a hard byte ceiling the client is hopeless: the queue
 fails, the request is cancelled and the connection closed.
 """
 
@@ -113,13 +115,14 @@ class _Event:
     text: str | None  # a content delta (mergeable), or None for an opaque frame
     frame: bytes  # the encoded frame (for deltas: encoded when taken)
     size: int
+    choice: int = 0  # for deltas: the index of the choice the text belongs to
 
 
 class ClientQueue:
-    def __init__(self, limits: ClientLimits, encode_delta: Callable[[str], bytes]) -> None:
+    def __init__(self, limits: ClientLimits, encode_delta: Callable[[str, int], bytes]) -> None:
         self.limits = limits
-        self._encode_delta = encode_delta
-        self._delta_overhead = len(encode_delta(""))
+        self._encode_delta = encode_delta  # (text, choice index) -> frame
+        self._delta_overhead = len(encode_delta("", 0))
         self._events: deque[_Event] = deque()
         self.bytes = 0
         self.congested = False
@@ -131,16 +134,17 @@ class ClientQueue:
     def __len__(self) -> int:
         return len(self._events)
 
-    def put_delta(self, text: str) -> None:
+    def put_delta(self, text: str, choice: int = 0) -> None:
         size = len(text.encode()) + self._delta_overhead
         last = self._events[-1] if self._events else None
-        if self._is_congested() and last is not None and last.text is not None:
+        congested = self._is_congested()
+        if congested and last is not None and last.text is not None and last.choice == choice:
             last.text += text
             last.size += size - self._delta_overhead
             self.bytes += size - self._delta_overhead
             self.merged += 1
         else:
-            self._append(_Event(text, b"", size))
+            self._append(_Event(text, b"", size, choice))
         self._check_ceiling()
 
     def put_frame(self, frame: bytes) -> None:
@@ -161,7 +165,10 @@ class ClientQueue:
             await self._lot.park()
         if self.failed is not None:
             raise self.failed
-        frames = [e.frame if e.text is None else self._encode_delta(e.text) for e in self._events]
+        frames = [
+            e.frame if e.text is None else self._encode_delta(e.text, e.choice)
+            for e in self._events
+        ]
         self._events.clear()
         self.bytes = 0
         self.congested = False

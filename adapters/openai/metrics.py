@@ -16,8 +16,8 @@ class Metrics:
         r = self.registry
         self.requests = Counter(
             "fencepost_requests",
-            "Chat completion requests by outcome (stop, length, rejected_<status>, "
-            "error_<kind>, cancelled, overflow)",
+            "Requests by outcome (stop, length, rejected_<status>, error_<kind>, cancelled, "
+            "overflow); a legacy completion counts an outcome per prompt once admitted",
             ["outcome"],
             registry=r,
         )

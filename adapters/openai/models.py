@@ -1,4 +1,8 @@
-"""What the HTTP boundary needs from a model: its id, context, chat template, decoder.
+"""What the HTTP boundary needs from a model: id, context, vocabulary, tokenizers, decoder.
+
+tokenize_chat renders chat messages through the chat template (for
+/v1/chat/completions); tokenize takes text as it is (for the legacy
+/v1/completions, whose prompt is raw text).
 
 ChatModel wraps a transformers tokenizer (the one the engine was loaded
 with). FakeChatModel is the text side of core's fake model (core/fake_model.py,
@@ -15,12 +19,15 @@ from typing import Any, Protocol
 
 from adapters.engine.model import chat_token_ids
 from adapters.openai.normalize import ChatMessage
-from core.fake_model import EOS_TOKEN
+from core.fake_model import EOS_TOKEN, VOCAB
 
 
 class ServedModel(Protocol):
     id: str
     max_context: int
+    vocab_size: int  # token ids are 0..vocab_size-1
+
+    def tokenize(self, text: str) -> list[int]: ...
 
     def tokenize_chat(self, messages: Sequence[ChatMessage]) -> list[int]: ...
 
@@ -32,6 +39,12 @@ class ChatModel:
         self.id = model_id
         self.tokenizer = tokenizer
         self.max_context = max_context
+        self.vocab_size = len(tokenizer)  # with added special tokens
+
+    def tokenize(self, text: str) -> list[int]:
+        # The tokenizer's own special tokens (a BOS where the model wants one), as
+        # other servers of the completions API do.
+        return [int(t) for t in self.tokenizer.encode(text)]
 
     def tokenize_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
         chat = [{"role": m.role, "content": m.content} for m in messages]
@@ -54,10 +67,14 @@ class FakeChatModel:
     def __init__(self, model_id: str = "fake", max_context: int = 4096) -> None:
         self.id = model_id
         self.max_context = max_context
+        self.vocab_size = VOCAB
+
+    def tokenize(self, text: str) -> list[int]:
+        return [1 + (ord(c) % 30_000) for c in text]  # one per character, within VOCAB
 
     def tokenize_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
         text = "".join(f"<{m.role}>{m.content}\n" for m in messages) + "<assistant>"
-        return [1 + (ord(c) % 30_000) for c in text]  # within the fake VOCAB
+        return self.tokenize(text)
 
     def decode(self, token_ids: list[int]) -> str:
         return "".join(FAKE_WORDS[t % len(FAKE_WORDS)] for t in token_ids if t != EOS_TOKEN)

@@ -1,8 +1,11 @@
-"""normalize_chat_request: an OpenAI chat completion body in, a ChatJob or an OpenAIError out.
+"""An OpenAI request body in, a job (ChatJob, CompletionJob) or an OpenAIError out.
 
-Pure: model lookup and chat tokenization are injected, so this file decides
-what the server accepts without knowing about models, HTTP or the controller.
-What it accepts is a small, tested subset of the OpenAI API:
+normalize_chat_request is /v1/chat/completions, normalize_completion_request
+the legacy /v1/completions; both read the fields they share (stream, sampling,
+stop, max tokens, the model) through the same functions. Pure: model lookup
+and tokenization are injected, so this file decides what the server accepts
+without knowing about models, HTTP or the controller. What it accepts is a
+small, tested subset of the OpenAI API (docs/design/http.md has both tables):
 
 - model; messages (system, developer, user, assistant; text content as a
   string or a list of text parts); max_completion_tokens (max_tokens is an
@@ -34,6 +37,7 @@ DEFAULT_TEMPERATURE = 1.0  # the OpenAI default
 class ModelInfo(msgspec.Struct, frozen=True):
     id: str
     max_context: int
+    vocab_size: int
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -51,8 +55,38 @@ class ChatJob(msgspec.Struct, frozen=True):
     stop: tuple[str, ...]
 
 
+class Prompt(msgspec.Struct, frozen=True):
+    """One prompt of a legacy completion: its tokens, and its text when it came as text."""
+
+    token_ids: tuple[int, ...]
+    text: str | None  # None: given as token ids (echo decodes them)
+
+
+class Shared(msgspec.Struct, frozen=True):
+    """The fields chat and legacy completions read alike."""
+
+    model: ModelInfo
+    stream: bool
+    include_usage: bool
+    sampling: Sampling
+    stop: tuple[str, ...]
+    budget: int | None  # max tokens asked for; None: not given
+
+
+class CompletionJob(msgspec.Struct, frozen=True):
+    """Everything the boundary needs to run one legacy completion: a request per prompt."""
+
+    requests: tuple[GenerationRequest, ...]  # choice i is requests[i]
+    prompts: tuple[Prompt, ...]
+    echo: bool
+    shared: Shared  # model, stream, include_usage, sampling, stop, as asked
+
+
 ResolveModel = Callable[[str], ModelInfo | None]
 TokenizeChat = Callable[[str, Sequence[ChatMessage]], list[int]]
+Tokenize = Callable[[str, str], list[int]]  # (model id, text) -> token ids
+MAX_PROMPTS = 16  # prompts in one legacy completion request
+DEFAULT_COMPLETION_TOKENS = 16  # the OpenAI default of /v1/completions
 
 
 def _is_int(value: object) -> bool:
@@ -63,9 +97,17 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+Refusal = tuple[str, Callable[[Any], bool], str]
+_N: Refusal = ("n", lambda v: not _is_int(v) or v != 1, "only n=1 is supported")
+_SHARED_UNSUPPORTED: tuple[Refusal, ...] = (
+    ("logit_bias", lambda v: v != {}, "logit_bias is not supported"),
+    ("presence_penalty", lambda v: not _is_number(v) or v != 0, "is not supported"),
+    ("frequency_penalty", lambda v: not _is_number(v) or v != 0, "is not supported"),
+)
 # (field, predicate on a present, non-null value that means "unsupported", what to say)
-_UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("n", lambda v: not _is_int(v) or v != 1, "only n=1 is supported"),
+_UNSUPPORTED: tuple[Refusal, ...] = (
+    _N,
+    *_SHARED_UNSUPPORTED,
     ("tools", lambda v: v != [], "tools are not supported"),
     ("tool_choice", lambda v: v != "none", "tool_choice is not supported"),
     ("functions", lambda v: v != [], "functions are not supported"),
@@ -73,9 +115,6 @@ _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("parallel_tool_calls", lambda v: v is not False and v is not True, "must be a boolean"),
     ("logprobs", lambda v: v is not False, "logprobs are not supported"),
     ("top_logprobs", lambda v: True, "top_logprobs is not supported"),
-    ("logit_bias", lambda v: v != {}, "logit_bias is not supported"),
-    ("presence_penalty", lambda v: not _is_number(v) or v != 0, "is not supported"),
-    ("frequency_penalty", lambda v: not _is_number(v) or v != 0, "is not supported"),
     ("audio", lambda v: True, "audio output is not supported"),
     ("modalities", lambda v: v != ["text"], "only the text modality is supported"),
     ("prediction", lambda v: True, "predicted outputs are not supported"),
@@ -86,6 +125,13 @@ _UNSUPPORTED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         "only response_format {'type': 'text'} is supported",
     ),
 )
+_COMPLETION_UNSUPPORTED: tuple[Refusal, ...] = (
+    _N,
+    *_SHARED_UNSUPPORTED,
+    ("best_of", lambda v: not _is_int(v) or v != 1, "only best_of=1 is supported"),
+    ("logprobs", lambda v: True, "logprobs are not supported"),
+    ("suffix", lambda v: v != "", "suffix is not supported"),
+)
 
 
 def normalize_chat_request(
@@ -94,18 +140,63 @@ def normalize_chat_request(
     tokenize_chat: TokenizeChat,
     request_id: str,
 ) -> ChatJob | OpenAIError:
+    shared = _shared(body, _UNSUPPORTED, resolve_model)
+    if isinstance(shared, OpenAIError):
+        return shared
+    assert isinstance(body, dict)
+    messages = _messages(body.get("messages"))
+    if isinstance(messages, OpenAIError):
+        return messages
+    model = shared.model
+    prompt = tokenize_chat(model.id, messages)
+    budget = _budget(shared, len(prompt), None, "messages", "the messages take")
+    if isinstance(budget, OpenAIError):
+        return budget
+    request = GenerationRequest(request_id, tuple(prompt), budget, shared.sampling)
+    return ChatJob(request, model.id, shared.stream, shared.include_usage, shared.stop)
+
+
+def normalize_completion_request(
+    body: object,
+    resolve_model: ResolveModel,
+    tokenize: Tokenize,
+    request_id: str,
+) -> CompletionJob | OpenAIError:
+    shared = _shared(body, _COMPLETION_UNSUPPORTED, resolve_model)
+    if isinstance(shared, OpenAIError):
+        return shared
+    assert isinstance(body, dict)
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        return invalid("'echo' must be a boolean", "echo")
+    model = shared.model
+    prompts = _prompts(body.get("prompt"), model, lambda text: tokenize(model.id, text))
+    if isinstance(prompts, OpenAIError):
+        return prompts
+    requests = []
+    for i, prompt in enumerate(prompts):
+        what = "the prompt takes" if len(prompts) == 1 else f"prompt {i} takes"
+        budget = _budget(shared, len(prompt.token_ids), DEFAULT_COMPLETION_TOKENS, "prompt", what)
+        if isinstance(budget, OpenAIError):
+            return budget
+        rid = f"{request_id}-{i}"
+        requests.append(GenerationRequest(rid, prompt.token_ids, budget, shared.sampling))
+    return CompletionJob(tuple(requests), tuple(prompts), bool(echo), shared)
+
+
+def _shared(
+    body: object, refusals: tuple[Refusal, ...], resolve_model: ResolveModel
+) -> Shared | OpenAIError:
+    """The fields both endpoints read; every check except the prompt's own."""
     if not isinstance(body, dict):
         return invalid("the request body must be a JSON object")
     model_name = body.get("model")
     if not isinstance(model_name, str) or not model_name:
         return invalid("'model' is required and must be a non-empty string", "model")
-    for name, refused, why in _UNSUPPORTED:
+    for name, refused, why in refusals:
         value = body.get(name)
         if value is not None and refused(value):
             return invalid(f"'{name}': {why}", name)
-    messages = _messages(body.get("messages"))
-    if isinstance(messages, OpenAIError):
-        return messages
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         return invalid("'stream' must be a boolean", "stream")
@@ -121,7 +212,6 @@ def normalize_chat_request(
     budget = _max_tokens(body)
     if isinstance(budget, OpenAIError):
         return budget
-
     model = resolve_model(model_name)
     if model is None:
         return OpenAIError(
@@ -131,23 +221,61 @@ def normalize_chat_request(
             "model",
             "model_not_found",
         )
-    prompt = tokenize_chat(model.id, messages)
-    room = model.max_context - len(prompt)
-    if room < 1 or (budget is not None and budget > room):
-        asked = f" plus {budget} completion tokens" if budget is not None else ""
+    return Shared(model, bool(stream), include_usage, sampling, stop, budget)
+
+
+def _budget(
+    shared: Shared, prompt_tokens: int, default: int | None, param: str, what: str
+) -> int | OpenAIError:
+    """max_new_tokens for a prompt of this length: as asked, else the default (at most
+    the rest of the context; no default: all of it)."""
+    room = shared.model.max_context - prompt_tokens
+    asked = shared.budget
+    if room < 1 or (asked is not None and asked > room):
+        plus = f" plus {asked} completion tokens" if asked is not None else ""
         return invalid(
-            f"this model's maximum context length is {model.max_context} tokens; the "
-            f"messages take {len(prompt)}{asked}",
-            "messages",
+            f"this model's maximum context length is {shared.model.max_context} tokens; "
+            f"{what} {prompt_tokens}{plus}",
+            param,
             "context_length_exceeded",
         )
-    request = GenerationRequest(
-        request_id=request_id,
-        prompt_token_ids=tuple(prompt),
-        max_new_tokens=budget if budget is not None else room,
-        sampling=sampling,
+    if asked is not None:
+        return asked
+    return room if default is None else min(default, room)
+
+
+def _prompts(
+    value: object, model: ModelInfo, tokenize: Callable[[str], list[int]]
+) -> list[Prompt] | OpenAIError:
+    """A string, a list of strings, a list of token ids, or a list of lists of them."""
+    shape = (
+        "'prompt' must be a string, an array of strings, an array of token ids, "
+        "or an array of arrays of token ids"
     )
-    return ChatJob(request, model.id, bool(stream), include_usage, stop)
+    if isinstance(value, str) or (isinstance(value, list) and value and _is_int(value[0])):
+        items: list[object] = [value]
+    elif isinstance(value, list) and value and len({isinstance(v, str) for v in value}) == 1:
+        items = value  # all strings, or all (to be checked) arrays of token ids
+    else:
+        return invalid(shape, "prompt")
+    if len(items) > MAX_PROMPTS:
+        return invalid(f"'prompt': at most {MAX_PROMPTS} prompts in one request", "prompt")
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            prompt = Prompt(tuple(tokenize(item)), item)
+        elif isinstance(item, list) and all(_is_int(t) for t in item):
+            if not all(0 <= t < model.vocab_size for t in item):
+                return invalid(
+                    f"'prompt': token ids must be from 0 to {model.vocab_size - 1}", "prompt"
+                )
+            prompt = Prompt(tuple(int(t) for t in item), None)
+        else:
+            return invalid(shape, "prompt")
+        if not prompt.token_ids:
+            return invalid("'prompt' must not be empty", "prompt")
+        prompts.append(prompt)
+    return prompts
 
 
 def _messages(value: object) -> list[ChatMessage] | OpenAIError:

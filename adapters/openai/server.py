@@ -1,4 +1,9 @@
-"""The HTTP app: /v1/chat/completions, /v1/models, /health, /metrics on Quart-trio.
+"""The HTTP app: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
+
+Served on Quart-trio. Chat and the legacy completions differ only in the JSON
+they read and write (normalize.py; ChatAnswer, CompletionAnswer); the rest is
+one path: submit, pump or collect, errors, metrics. A legacy completion with
+several prompts is one GenerationRequest per prompt, answered as one choice each.
 
 A request is validated completely (normalize.py) before anything is sent, so
 every validation failure is an HTTP error with the OpenAI envelope. A request
@@ -39,9 +44,14 @@ from adapters.openai.egress import (
 from adapters.openai.errors import OpenAIError, from_outcome, invalid
 from adapters.openai.metrics import Metrics
 from adapters.openai.models import ServedModel
-from adapters.openai.normalize import ChatJob, ChatMessage, ModelInfo, normalize_chat_request
+from adapters.openai.normalize import (
+    ChatMessage,
+    ModelInfo,
+    normalize_chat_request,
+    normalize_completion_request,
+)
 from adapters.runtime.controller import Controller, RequestStream
-from core.protocol import DeliverError, DeliverFinished, DeliverToken, Delivery
+from core.protocol import DeliverError, DeliverFinished, DeliverToken, Delivery, GenerationRequest
 
 log = logging.getLogger("fencepost.http")
 
@@ -95,21 +105,33 @@ class Step(NamedTuple):
     error: OpenAIError | None = None  # the answer ends here with this error
 
 
-class ChatCompletion:
-    """One chat completion request being answered: ids, timings, chunk encoding."""
+class Generation:
+    """One GenerationRequest being answered: its deliveries to text, timings, outcome.
 
-    def __init__(self, app: FencepostApp, job: ChatJob, stream: RequestStream) -> None:
+    A chat completion has one; a legacy completion one per prompt (its choice index).
+    """
+
+    def __init__(
+        self,
+        app: FencepostApp,
+        model: ServedModel,
+        stream: RequestStream,
+        index: int,
+        stop: tuple[str, ...],
+    ) -> None:
         self.app = app
-        self.job = job
         self.stream = stream
-        self.id = job.request.request_id
-        self.created = int(time.time())
+        self.index = index
         self.began = trio.current_time()
         self.last_token_at: float | None = None
-        self.egress = TextEgress(app.models[job.model], job.stop)
+        self.egress = TextEgress(model, stop)
         self.outcome_recorded = False
-        base = {"id": self.id, "object": "chat.completion.chunk", "created": self.created}
-        self._base = base | {"model": job.model, "system_fingerprint": None}
+        self.finish_reason: str | None = None
+        self.error: OpenAIError | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.stream.request.prompt_token_ids)
 
     def on_token(self, token_id: int) -> str:
         now = trio.current_time()
@@ -138,11 +160,13 @@ class ChatCompletion:
                 return self._ended(Step(text, "stop" if egress.stopped else FINISH_REASONS[reason]))
             case DeliverError(kind=kind, message=message):
                 self.record(f"error_{kind}")
-                return Step("", error=from_outcome(kind, message))
+                self.error = from_outcome(kind, message)
+                return Step("", error=self.error)
         raise AssertionError(f"not a delivery: {item!r}")
 
     def _ended(self, step: Step) -> Step:
         assert step.finish_reason is not None
+        self.finish_reason = step.finish_reason
         self.record(step.finish_reason)
         return step
 
@@ -151,19 +175,39 @@ class ChatCompletion:
             self.outcome_recorded = True
             self.app.metrics.requests.labels(outcome).inc()
 
+
+class Answer:
+    """The response to one HTTP request: its generations, ids, and how chunks look.
+
+    ChatAnswer and CompletionAnswer differ only in the JSON; the pump, the
+    plain-response collector, errors and metrics are the same code for both.
+    """
+
+    chunk_object = ""
+
+    def __init__(
+        self, answer_id: str, model: str, include_usage: bool, generations: list[Generation]
+    ) -> None:
+        self.id = answer_id
+        self.model = model
+        self.include_usage = include_usage
+        self.generations = generations
+        self.created = int(time.time())
+        base = {"id": self.id, "object": self.chunk_object, "created": self.created}
+        self._base = base | {"model": model, "system_fingerprint": None}
+
     def usage(self) -> dict[str, int]:
-        prompt = len(self.job.request.prompt_token_ids)
-        completion = self.egress.completion_tokens
+        prompt = sum(g.prompt_tokens for g in self.generations)
+        completion = sum(g.egress.completion_tokens for g in self.generations)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
         }
 
-    def chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def frame(self, choice: dict[str, Any]) -> bytes:
         body = self._base | {"choices": [choice]}
-        if self.job.include_usage:
+        if self.include_usage:
             body["usage"] = None
         return b"data: " + msgspec.json.encode(body) + b"\n\n"
 
@@ -171,8 +215,99 @@ class ChatCompletion:
         body = self._base | {"choices": [], "usage": self.usage()}
         return b"data: " + msgspec.json.encode(body) + b"\n\n"
 
-    def delta_chunk(self, text: str) -> bytes:
-        return self.chunk({"content": text})
+    def result(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+            "usage": self.usage(),
+        }
+
+    # --- what differs between the endpoints ---
+
+    def opening(self, queue: ClientQueue) -> None:
+        """What a stream sends before any generated text."""
+
+    def delta_chunk(self, text: str, index: int) -> bytes:
+        raise NotImplementedError
+
+    def finish_chunk(self, index: int, finish_reason: str) -> bytes:
+        raise NotImplementedError
+
+    def body(self, texts: list[str]) -> dict[str, Any]:
+        """The plain (not streamed) response, given each choice's generated text."""
+        raise NotImplementedError
+
+
+class ChatAnswer(Answer):
+    chunk_object = "chat.completion.chunk"
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+        return self.frame(
+            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        )
+
+    def opening(self, queue: ClientQueue) -> None:
+        queue.put_frame(self._chunk({"role": "assistant", "content": ""}))
+
+    def delta_chunk(self, text: str, index: int) -> bytes:
+        return self._chunk({"content": text})
+
+    def finish_chunk(self, index: int, finish_reason: str) -> bytes:
+        return self._chunk({}, finish_reason)
+
+    def body(self, texts: list[str]) -> dict[str, Any]:
+        [text] = texts
+        [generation] = self.generations
+        message = {"role": "assistant", "content": text, "refusal": None}
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": generation.finish_reason,
+        }
+        return self.result("chat.completion", [choice])
+
+
+class CompletionAnswer(Answer):
+    """The legacy /v1/completions: `text_completion` objects, one choice per prompt."""
+
+    chunk_object = "text_completion"
+
+    def __init__(
+        self,
+        answer_id: str,
+        model: str,
+        include_usage: bool,
+        generations: list[Generation],
+        echoes: list[str],
+    ) -> None:
+        super().__init__(answer_id, model, include_usage, generations)
+        self.echoes = echoes  # per choice: the prompt text to put first ("" without echo)
+
+    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}
+
+    def opening(self, queue: ClientQueue) -> None:
+        for index, echo in enumerate(self.echoes):
+            if echo:
+                queue.put_delta(echo, index)
+
+    def delta_chunk(self, text: str, index: int) -> bytes:
+        return self.frame(self._choice(index, text, None))
+
+    def finish_chunk(self, index: int, finish_reason: str) -> bytes:
+        return self.frame(self._choice(index, "", finish_reason))
+
+    def body(self, texts: list[str]) -> dict[str, Any]:
+        choices = [
+            self._choice(g.index, echo + text, g.finish_reason)
+            for g, echo, text in zip(self.generations, self.echoes, texts, strict=True)
+        ]
+        return self.result("text_completion", choices)
 
 
 class SSEBody:
@@ -241,6 +376,7 @@ class FencepostApp:
         app.config["RESPONSE_TIMEOUT"] = None  # streams last as long as generation does
         app.config["BODY_TIMEOUT"] = self.limits.body_timeout_s
         app.add_url_rule("/v1/chat/completions", view_func=self.chat, methods=["POST"])
+        app.add_url_rule("/v1/completions", view_func=self.completions, methods=["POST"])
         app.add_url_rule("/v1/models", view_func=self.list_models, methods=["GET"])
         app.add_url_rule("/v1/models/<path:model_id>", view_func=self.get_model, methods=["GET"])
         app.add_url_rule("/health", view_func=self.health, methods=["GET"])
@@ -290,36 +426,75 @@ class FencepostApp:
     async def render_metrics(self) -> Response:
         return Response(self.metrics.render(), 200, content_type="text/plain; version=0.0.4")
 
-    # --- chat completions ---
+    # --- chat completions and legacy completions ---
 
     async def chat(self) -> Response:
-        # Read the body even when the request is refused for its content type: a
-        # body left unread would be taken for the next request on the connection.
-        raw = await request.get_data(cache=False)
-        if request.mimetype != "application/json":
-            message = "the Content-Type must be application/json"
-            return self._reject(invalid(message, code="unsupported_content_type"))
-        try:
-            body = msgspec.json.decode(raw)
-        except msgspec.DecodeError as error:
-            return self._reject(invalid(f"the request body is not valid JSON: {error}"))
-        except RecursionError:
-            return self._reject(invalid("the request body is nested too deeply"))
+        body = await self._json_body()
+        if isinstance(body, OpenAIError):
+            return self._reject(body)
         job = normalize_chat_request(
             body, self._resolve_model, self._tokenize_chat, f"chatcmpl-{uuid.uuid4().hex}"
         )
         if isinstance(job, OpenAIError):
             return self._reject(job)
-        stream = self.controller.submit(job.request)  # it seeds a sampled request without one
-        if isinstance(stream.outcome, DeliverError):  # refused at once: still an HTTP error
-            outcome = stream.outcome
-            self.metrics.requests.labels(f"error_{outcome.kind}").inc()
-            return error_response(from_outcome(outcome.kind, outcome.message))
-        self.metrics.prompt_tokens.inc(len(job.request.prompt_token_ids))
-        completion = ChatCompletion(self, job, stream)
-        if job.stream:
-            return self._start_stream(completion)
-        return await self._complete(completion)
+        streams = self._submit([job.request])
+        if isinstance(streams, Response):
+            return streams
+        generations = [Generation(self, self.models[job.model], streams[0], 0, job.stop)]
+        answer = ChatAnswer(job.request.request_id, job.model, job.include_usage, generations)
+        return await self._respond(answer, job.stream)
+
+    async def completions(self) -> Response:
+        body = await self._json_body()
+        if isinstance(body, OpenAIError):
+            return self._reject(body)
+        answer_id = f"cmpl-{uuid.uuid4().hex}"
+        job = normalize_completion_request(body, self._resolve_model, self._tokenize, answer_id)
+        if isinstance(job, OpenAIError):
+            return self._reject(job)
+        streams = self._submit(list(job.requests))
+        if isinstance(streams, Response):
+            return streams
+        shared = job.shared
+        model = self.models[shared.model.id]
+        generations = [Generation(self, model, s, i, shared.stop) for i, s in enumerate(streams)]
+        echoes = [
+            (p.text if p.text is not None else model.decode(list(p.token_ids))) if job.echo else ""
+            for p in job.prompts
+        ]
+        answer = CompletionAnswer(answer_id, model.id, shared.include_usage, generations, echoes)
+        return await self._respond(answer, shared.stream)
+
+    async def _json_body(self) -> object:
+        """The decoded JSON body, or the OpenAIError that refuses it."""
+        # Read the body even when the request is refused for its content type: a
+        # body left unread would be taken for the next request on the connection.
+        raw = await request.get_data(cache=False)
+        if request.mimetype != "application/json":
+            message = "the Content-Type must be application/json"
+            return invalid(message, code="unsupported_content_type")
+        try:
+            return msgspec.json.decode(raw)
+        except msgspec.DecodeError as error:
+            return invalid(f"the request body is not valid JSON: {error}")
+        except RecursionError:
+            return invalid("the request body is nested too deeply")
+
+    def _submit(self, requests: list[GenerationRequest]) -> list[RequestStream] | Response:
+        """Submit every request, or none: one refused at once cancels those before it."""
+        streams: list[RequestStream] = []
+        for generation_request in requests:
+            stream = self.controller.submit(generation_request)  # seeds a sampled request
+            if isinstance(stream.outcome, DeliverError):  # refused at once: an HTTP error
+                for submitted in streams:
+                    submitted.cancel()
+                outcome = stream.outcome
+                self.metrics.requests.labels(f"error_{outcome.kind}").inc()
+                return error_response(from_outcome(outcome.kind, outcome.message))
+            streams.append(stream)
+        for stream in streams:
+            self.metrics.prompt_tokens.inc(len(stream.request.prompt_token_ids))
+        return streams
 
     def _reject(self, error: OpenAIError) -> Response:
         self.metrics.requests.labels(f"rejected_{error.status}").inc()
@@ -327,88 +502,102 @@ class FencepostApp:
 
     def _resolve_model(self, name: str) -> ModelInfo | None:
         model = self.models.get(name)
-        return ModelInfo(model.id, model.max_context) if model is not None else None
+        if model is None:
+            return None
+        return ModelInfo(model.id, model.max_context, model.vocab_size)
 
     def _tokenize_chat(self, model_id: str, messages: Sequence[ChatMessage]) -> list[int]:
         return self.models[model_id].tokenize_chat(messages)
 
-    async def _complete(self, completion: ChatCompletion) -> Response:
-        text: list[str] = []
-        finish_reason = "stop"
-        try:
-            async with completion.stream as stream:
-                async for item in stream:
-                    step = completion.apply(item)
-                    if step.error is not None:
-                        return error_response(step.error)
-                    text.append(step.text)
-                    if step.finish_reason is not None:
-                        finish_reason = step.finish_reason
-                        break  # after a stop string, leaving the block cancels the generation
-        finally:
-            completion.record("cancelled")  # a no-op unless the client went away
-        message = {"role": "assistant", "content": "".join(text), "refusal": None}
-        return json_response(
-            {
-                "id": completion.id,
-                "object": "chat.completion",
-                "created": completion.created,
-                "model": completion.job.model,
-                "system_fingerprint": None,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": message,
-                        "logprobs": None,
-                        "finish_reason": finish_reason,
-                    }
-                ],
-                "usage": completion.usage(),
-            }
-        )
+    def _tokenize(self, model_id: str, text: str) -> list[int]:
+        return self.models[model_id].tokenize(text)
 
-    def _start_stream(self, completion: ChatCompletion) -> Response:
-        queue = ClientQueue(self.limits.client, completion.delta_chunk)
+    async def _respond(self, answer: Answer, stream: bool) -> Response:
+        if stream:
+            return self._start_stream(answer)
+        return await self._complete(answer)
+
+    async def _complete(self, answer: Answer) -> Response:
+        texts: list[list[str]] = [[] for _ in answer.generations]
+        try:
+            async with trio.open_nursery() as nursery:
+                for generation in answer.generations:
+                    nursery.start_soon(
+                        self._collect, generation, texts[generation.index], nursery.cancel_scope
+                    )
+        finally:
+            for generation in answer.generations:
+                generation.record("cancelled")  # a no-op unless the client went away
+        error = next((g.error for g in answer.generations if g.error is not None), None)
+        if error is not None:
+            return error_response(error)
+        return json_response(answer.body(["".join(t) for t in texts]))
+
+    async def _collect(
+        self, generation: Generation, text: list[str], siblings: trio.CancelScope
+    ) -> None:
+        async with generation.stream as stream:
+            async for item in stream:
+                step = generation.apply(item)
+                if step.error is not None:
+                    siblings.cancel()  # one failed choice fails the response
+                    return
+                text.append(step.text)
+                if step.finish_reason is not None:
+                    return  # after a stop string, leaving the block cancels the generation
+
+    def _start_stream(self, answer: Answer) -> Response:
+        queue = ClientQueue(self.limits.client, answer.delta_chunk)
         scope = trio.CancelScope()
         nursery: trio.Nursery = self.quart.nursery
-        nursery.start_soon(self._pump, completion, queue, scope)
+        nursery.start_soon(self._pump, answer, queue, scope)
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return Response(
             SSEBody(queue, scope), 200, content_type="text/event-stream", headers=headers
         )
 
-    async def _pump(
-        self, completion: ChatCompletion, queue: ClientQueue, scope: trio.CancelScope
-    ) -> None:
+    async def _pump(self, answer: Answer, queue: ClientQueue, scope: trio.CancelScope) -> None:
         try:
             with scope:
-                async with completion.stream as stream:
-                    queue.put_frame(completion.chunk({"role": "assistant", "content": ""}))
-                    async for item in stream:
-                        step = completion.apply(item)
-                        if step.text:
-                            queue.put_delta(step.text)
-                        if step.error is not None:
-                            body = msgspec.json.encode(step.error.body())
-                            queue.put_frame(b"data: " + body + b"\n\n" + DONE)
-                            return
-                        if step.finish_reason is not None:
-                            self._end_stream(completion, queue, step.finish_reason)
-                            return
-                        if queue.failed is not None:
-                            completion.record("overflow")
-                            log.warning("%s: %s; cancelled", completion.id, queue.failed)
-                            return
+                answer.opening(queue)
+                async with trio.open_nursery() as nursery:
+                    for generation in answer.generations:
+                        nursery.start_soon(
+                            self._pump_one, generation, answer, queue, nursery.cancel_scope
+                        )
+                if all(g.finish_reason is not None for g in answer.generations):
+                    if answer.include_usage:
+                        queue.put_frame(answer.usage_chunk())
+                    queue.put_frame(DONE)
         finally:
-            completion.record("cancelled")  # the client went away first
+            for generation in answer.generations:
+                generation.record("cancelled")  # the client went away first
             queue.close()
 
-    def _end_stream(self, completion: ChatCompletion, queue: ClientQueue, reason: str) -> None:
-        queue.put_frame(completion.chunk({}, reason))
-        if completion.job.include_usage:
-            queue.put_frame(completion.usage_chunk())
-        queue.put_frame(DONE)
-        queue.close()
+    async def _pump_one(
+        self, generation: Generation, answer: Answer, queue: ClientQueue, siblings: trio.CancelScope
+    ) -> None:
+        """One generation's deliveries into the shared queue (chunks of choices interleave)."""
+        async with generation.stream as stream:
+            async for item in stream:
+                if siblings.cancel_called:  # a sibling failed: nothing more goes out
+                    return
+                step = generation.apply(item)
+                if step.text:
+                    queue.put_delta(step.text, generation.index)
+                if step.error is not None:
+                    body = msgspec.json.encode(step.error.body())
+                    queue.put_frame(b"data: " + body + b"\n\n" + DONE)
+                    siblings.cancel()
+                    return
+                if step.finish_reason is not None:
+                    queue.put_frame(answer.finish_chunk(generation.index, step.finish_reason))
+                    return
+                if queue.failed is not None:
+                    generation.record("overflow")
+                    log.warning("%s: %s; cancelled", answer.id, queue.failed)
+                    siblings.cancel()
+                    return
 
 
 def _model_not_found(model_id: str) -> OpenAIError:
