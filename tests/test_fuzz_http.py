@@ -6,7 +6,8 @@ and negative numbers, deep nesting, odd unicode, missing and duplicated
 fields, bytes that are not JSON. Each goes to a real server on 127.0.0.1
 (fake model): /v1/chat/completions, and /v1/completions with its own fields
 (prompts as text, token ids in and out of the vocabulary, lists of them past
-the batch limit; echo, suffix, best_of). The default run sends
+the batch limit; echo, suffix, best_of; n, up to 16 choices for each of up to
+16 prompts). The default run sends
 FENCEPOST_FUZZ_EXAMPLES (2,000) cases to chat and half as many to completions;
 set it higher for a longer run (README).
 """
@@ -83,7 +84,7 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "top_p": st.floats(-0.5, 1.5) | EDGES["top_p"] | json_values,
     "stop": odd_text | st.lists(odd_text, max_size=6) | EDGES["stop"] | json_values,
     "seed": numbers | EDGES["seed"],
-    "n": st.sampled_from([1, 2, 0, False, True, -1]) | json_values,
+    "n": st.sampled_from([1, 2, 3, 16, 17, 0, False, True, -1, 2.0]) | json_values,
     "tools": json_values,
     "tool_choice": json_values,
     "logprobs": st.sampled_from([True, False, 0, 1, None]) | json_values,
@@ -198,7 +199,7 @@ def check_reply(reply: requests.Response, streamed: bool, endpoint: Endpoint) ->
     else:
         body = reply.json()
         assert body["object"] == endpoint.objects[1]
-        assert body["choices"]
+        assert [c["index"] for c in body["choices"]] == list(range(len(body["choices"])))
         assert all(c["finish_reason"] in ("stop", "length") for c in body["choices"])
 
 

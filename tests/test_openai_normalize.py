@@ -6,15 +6,19 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from adapters.openai.errors import OpenAIError
 from adapters.openai.normalize import (
+    MAX_CHOICES,
     MAX_PROMPTS,
     ChatJob,
     ChatMessage,
     CompletionJob,
     ModelInfo,
     Prompt,
+    choice_seed,
     normalize_chat_request,
     normalize_completion_request,
 )
@@ -46,9 +50,9 @@ def refused(**fields: Any) -> OpenAIError:
 
 def test_a_minimal_request_gets_openai_defaults() -> None:
     job = ok()
-    assert job.request.prompt_token_ids == (1, 1, 1, 1)
-    assert job.request.max_new_tokens == 96  # the rest of the context
-    assert job.request.sampling == Sampling(temperature=1.0, top_p=1.0, seed=None)
+    assert job.requests[0].prompt_token_ids == (1, 1, 1, 1)
+    assert job.requests[0].max_new_tokens == 96  # the rest of the context
+    assert job.requests[0].sampling == Sampling(temperature=1.0, top_p=1.0, seed=None)
     assert (job.stream, job.include_usage, job.stop, job.model) == (False, False, (), "m")
 
 
@@ -64,8 +68,8 @@ def test_accepted_fields_reach_the_generation_request() -> None:
         stop=["x", "yz", "x"], stream=True, stream_options={"include_usage": True},
         user="someone", metadata={"a": "b"}, unknown_field=[1, 2],
     )  # fmt: skip
-    assert job.request.max_new_tokens == 5  # max_completion_tokens wins
-    assert job.request.sampling == Sampling(0.0, 0.5, -3)
+    assert job.requests[0].max_new_tokens == 5  # max_completion_tokens wins
+    assert job.requests[0].sampling == Sampling(0.0, 0.5, -3)
     assert job.stop == ("x", "yz")
     assert job.stream and job.include_usage
 
@@ -73,7 +77,8 @@ def test_accepted_fields_reach_the_generation_request() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("n", 2), ("n", True), ("tools", [{"type": "function"}]), ("tool_choice", "auto"),
+        ("n", 17), ("n", 0), ("n", True), ("n", 1.0), ("tools", [{"type": "function"}]),
+        ("tool_choice", "auto"),
         ("functions", [{"name": "f"}]), ("function_call", "auto"), ("logprobs", True),
         ("top_logprobs", 2), ("logit_bias", {"5": 1}), ("presence_penalty", 0.5),
         ("frequency_penalty", -1), ("audio", {"voice": "x"}), ("modalities", ["audio"]),
@@ -130,7 +135,7 @@ def test_unknown_model_is_404_model_not_found() -> None:
 
 
 def test_prompt_plus_budget_beyond_the_context_is_context_length_exceeded() -> None:
-    assert ok(max_tokens=96).request.max_new_tokens == 96  # exactly fills the context
+    assert ok(max_tokens=96).requests[0].max_new_tokens == 96  # exactly fills the context
     error = refused(max_tokens=97)
     assert (error.status, error.code, error.param) == (400, "context_length_exceeded", "messages")
     long = refused(messages=[{"role": "user", "content": "x" * 98}])  # no room for one token
@@ -158,6 +163,7 @@ EDGES_ACCEPTED: list[dict[str, Any]] = [
     {"max_completion_tokens": 1},
     {"logprobs": False},
     {"n": 1},
+    {"n": 16},  # exactly MAX_CHOICES
     {"response_format": {"type": "text"}},
     {"presence_penalty": 0},
     {"frequency_penalty": 0.0},
@@ -176,6 +182,7 @@ EDGES_REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     # refused fields given falsy values are still refused
     ({"n": 0}, "n"),
+    ({"n": 17}, "n"),  # one past MAX_CHOICES
     ({"n": False}, "n"),
     ({"response_format": {}}, "response_format"),
     ({"logprobs": True}, "logprobs"),
@@ -190,12 +197,12 @@ EDGES_REFUSED: list[tuple[dict[str, Any], str]] = [
 def test_values_exactly_at_an_inclusive_limit_are_accepted(fields: dict[str, Any]) -> None:
     job = ok(**fields)
     if "temperature" in fields:
-        assert job.request.sampling.temperature == fields["temperature"]
+        assert job.requests[0].sampling.temperature == fields["temperature"]
     if "stop" in fields:
         stops = fields["stop"]
         assert job.stop == ((stops,) if isinstance(stops, str) else tuple(stops))
     if "seed" in fields:
-        assert job.request.sampling.seed == fields["seed"]
+        assert job.requests[0].sampling.seed == fields["seed"]
 
 
 @pytest.mark.parametrize(("fields", "param"), EDGES_REFUSED, ids=lambda f: repr(f)[:40])
@@ -255,7 +262,7 @@ def test_a_completion_gets_16_tokens_by_default_at_most_the_rest_of_the_context(
     ("fields", "param"),
     [
         ({"suffix": "x"}, "suffix"), ({"logprobs": 0}, "logprobs"), ({"best_of": 2}, "best_of"),
-        ({"best_of": 0}, "best_of"), ({"n": 2}, "n"), ({"echo": 1}, "echo"),
+        ({"best_of": 0}, "best_of"), ({"n": 17}, "n"), ({"echo": 1}, "echo"),
         ({"frequency_penalty": 1}, "frequency_penalty"), ({"logit_bias": {"1": 2}}, "logit_bias"),
         ({"prompt": ["a"] * (MAX_PROMPTS + 1)}, "prompt"), ({"prompt": [1000]}, "prompt"),
         ({"prompt": [-1]}, "prompt"), ({"prompt": [[1], [1000]]}, "prompt"),
@@ -276,3 +283,27 @@ def test_completion_edges_that_are_accepted() -> None:
     completion_ok(prompt=["a"] * MAX_PROMPTS, suffix="", logprobs=None, best_of=1, n=1, echo=False)
     completion_ok(prompt=[0, 999], presence_penalty=0, user="u", unknown=[1])
     assert completion_refused(model="gpt-9").status == 404
+
+
+def test_n_choices_are_n_requests_with_their_own_ids_and_seeds() -> None:
+    job = ok(n=3, seed=42)
+    assert [r.request_id for r in job.requests] == ["req-1-0", "req-1-1", "req-1-2"]
+    seeds = [r.sampling.seed for r in job.requests]
+    assert seeds[0] == 42 and len(set(seeds)) == 3  # choice 0 keeps the seed; all differ
+    assert seeds == [r.sampling.seed for r in ok(n=3, seed=42).requests]  # deterministic
+    assert ok(seed=42).requests[0].request_id == "req-1"  # n=1 as before
+    assert [r.sampling.seed for r in ok(n=3).requests] == [None] * 3  # the controller draws
+
+
+def test_completion_choices_are_ordered_prompt_by_prompt() -> None:
+    job = completion_ok(prompt=["a", "bb"], n=2, seed=7)
+    assert [r.request_id for r in job.requests] == [f"cmpl-1-{i}" for i in range(4)]
+    assert [len(r.prompt_token_ids) for r in job.requests] == [1, 1, 2, 2]
+    assert [r.sampling.seed for r in job.requests] == [choice_seed(7, i) for i in (0, 1, 0, 1)]
+
+
+@given(st.integers(-(2**63), 2**63 - 1), st.integers(0, MAX_CHOICES - 1))
+def test_choice_seeds_stay_in_the_int64_range(seed: int, choice: int) -> None:
+    derived = choice_seed(seed, choice)
+    assert -(2**63) <= derived < 2**63
+    assert derived == seed if choice == 0 else derived != choice_seed(seed, choice + 1)

@@ -143,7 +143,8 @@ ERROR_CASES = [
     ("too large", {"json": chat_body("x" * 2_000_000)}, 413, "request_too_large", None),
     ("unknown model", {"json": chat_body(model="gpt-9")}, 404, "model_not_found", "model"),
     ("too long", {"json": chat_body("x" * 3000)}, 400, "context_length_exceeded", "messages"),
-    ("n=2", {"json": chat_body(n=2)}, 400, None, "n"),
+    ("n=17", {"json": chat_body(n=17)}, 400, None, "n"),
+    ("n=0", {"json": chat_body(n=0)}, 400, None, "n"),
     ("tools", {"json": chat_body(tools=[{"type": "function"}], stream=True)}, 400, None, "tools"),
     ("image", {"json": chat_body(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}])},
@@ -333,7 +334,7 @@ def test_the_official_openai_sdk_works_with_only_base_url_changed(server: Server
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(
-            model="fake", messages=[{"role": "user", "content": "x"}], n=3
+            model="fake", messages=[{"role": "user", "content": "x"}], n=17
         )
     assert bad.value.status_code == 400 and bad.value.param == "n"  # type: ignore[attr-defined]
 

@@ -11,8 +11,8 @@ small, tested subset of the OpenAI API (docs/design/http.md has both tables):
   string or a list of text parts); max_completion_tokens (max_tokens is an
   alias; when both are given max_completion_tokens wins); stream and
   stream_options.include_usage; temperature [0, 2]; top_p (0, 1]; stop (a
-  string or up to 4); seed.
-- Known fields whose value asks for something we do not do (n > 1, tools,
+  string or up to 4); seed; n (1 to 16 choices).
+- Known fields whose value asks for something we do not do (tools,
   logprobs, images, json output, penalties, ...) are refused with 400 and
   `param` naming the field. Unknown fields are ignored.
 """
@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
+from msgspec.structs import replace
 
 from adapters.openai.errors import OpenAIError, invalid
 from core.protocol import GenerationRequest, Sampling
@@ -31,6 +32,7 @@ ROLES = frozenset({"system", "developer", "user", "assistant"})
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 INT64 = 2**63
+MASK64 = 2**64 - 1
 DEFAULT_TEMPERATURE = 1.0  # the OpenAI default
 
 
@@ -46,9 +48,9 @@ class ChatMessage(msgspec.Struct, frozen=True):
 
 
 class ChatJob(msgspec.Struct, frozen=True):
-    """Everything the boundary needs to run one chat completion."""
+    """Everything the boundary needs to run one chat completion: a request per choice."""
 
-    request: GenerationRequest
+    requests: tuple[GenerationRequest, ...]  # choice i is requests[i]
     model: str
     stream: bool
     include_usage: bool
@@ -71,12 +73,13 @@ class Shared(msgspec.Struct, frozen=True):
     sampling: Sampling
     stop: tuple[str, ...]
     budget: int | None  # max tokens asked for; None: not given
+    n: int  # choices per prompt
 
 
 class CompletionJob(msgspec.Struct, frozen=True):
     """Everything the boundary needs to run one legacy completion: a request per prompt."""
 
-    requests: tuple[GenerationRequest, ...]  # choice i is requests[i]
+    requests: tuple[GenerationRequest, ...]  # choice i (prompt i // n) is requests[i]
     prompts: tuple[Prompt, ...]
     echo: bool
     shared: Shared  # model, stream, include_usage, sampling, stop, as asked
@@ -86,6 +89,7 @@ ResolveModel = Callable[[str], ModelInfo | None]
 TokenizeChat = Callable[[str, Sequence[ChatMessage]], list[int]]
 Tokenize = Callable[[str, str], list[int]]  # (model id, text) -> token ids
 MAX_PROMPTS = 16  # prompts in one legacy completion request
+MAX_CHOICES = 16  # n: choices per prompt
 DEFAULT_COMPLETION_TOKENS = 16  # the OpenAI default of /v1/completions
 
 
@@ -98,7 +102,6 @@ def _is_number(value: object) -> bool:
 
 
 Refusal = tuple[str, Callable[[Any], bool], str]
-_N: Refusal = ("n", lambda v: not _is_int(v) or v != 1, "only n=1 is supported")
 _SHARED_UNSUPPORTED: tuple[Refusal, ...] = (
     ("logit_bias", lambda v: v != {}, "logit_bias is not supported"),
     ("presence_penalty", lambda v: not _is_number(v) or v != 0, "is not supported"),
@@ -106,7 +109,6 @@ _SHARED_UNSUPPORTED: tuple[Refusal, ...] = (
 )
 # (field, predicate on a present, non-null value that means "unsupported", what to say)
 _UNSUPPORTED: tuple[Refusal, ...] = (
-    _N,
     *_SHARED_UNSUPPORTED,
     ("tools", lambda v: v != [], "tools are not supported"),
     ("tool_choice", lambda v: v != "none", "tool_choice is not supported"),
@@ -126,7 +128,6 @@ _UNSUPPORTED: tuple[Refusal, ...] = (
     ),
 )
 _COMPLETION_UNSUPPORTED: tuple[Refusal, ...] = (
-    _N,
     *_SHARED_UNSUPPORTED,
     ("best_of", lambda v: not _is_int(v) or v != 1, "only best_of=1 is supported"),
     ("logprobs", lambda v: True, "logprobs are not supported"),
@@ -152,8 +153,8 @@ def normalize_chat_request(
     budget = _budget(shared, len(prompt), None, "messages", "the messages take")
     if isinstance(budget, OpenAIError):
         return budget
-    request = GenerationRequest(request_id, tuple(prompt), budget, shared.sampling)
-    return ChatJob(request, model.id, shared.stream, shared.include_usage, shared.stop)
+    requests = _choices(shared, request_id, tuple(prompt), budget, first=None)
+    return ChatJob(requests, model.id, shared.stream, shared.include_usage, shared.stop)
 
 
 def normalize_completion_request(
@@ -173,15 +174,14 @@ def normalize_completion_request(
     prompts = _prompts(body.get("prompt"), model, lambda text: tokenize(model.id, text))
     if isinstance(prompts, OpenAIError):
         return prompts
-    requests = []
+    requests: tuple[GenerationRequest, ...] = ()
     for i, prompt in enumerate(prompts):
         what = "the prompt takes" if len(prompts) == 1 else f"prompt {i} takes"
         budget = _budget(shared, len(prompt.token_ids), DEFAULT_COMPLETION_TOKENS, "prompt", what)
         if isinstance(budget, OpenAIError):
             return budget
-        rid = f"{request_id}-{i}"
-        requests.append(GenerationRequest(rid, prompt.token_ids, budget, shared.sampling))
-    return CompletionJob(tuple(requests), tuple(prompts), bool(echo), shared)
+        requests += _choices(shared, request_id, prompt.token_ids, budget, first=i * shared.n)
+    return CompletionJob(requests, tuple(prompts), bool(echo), shared)
 
 
 def _shared(
@@ -197,6 +197,9 @@ def _shared(
         value = body.get(name)
         if value is not None and refused(value):
             return invalid(f"'{name}': {why}", name)
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or not 1 <= n <= MAX_CHOICES):
+        return invalid(f"'n' must be an integer from 1 to {MAX_CHOICES}", "n")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         return invalid("'stream' must be a boolean", "stream")
@@ -221,7 +224,44 @@ def _shared(
             "model",
             "model_not_found",
         )
-    return Shared(model, bool(stream), include_usage, sampling, stop, budget)
+    return Shared(model, bool(stream), include_usage, sampling, stop, budget, n or 1)
+
+
+def _choices(
+    shared: Shared, request_id: str, prompt: tuple[int, ...], budget: int, first: int | None
+) -> tuple[GenerationRequest, ...]:
+    """The n requests of one prompt, each with its own seed and its own id: the
+    response's id and the choice index (choices first .. first + n - 1). first None:
+    the one prompt of a chat completion, whose only choice keeps the response's id."""
+    if first is None and shared.n == 1:
+        ids = [request_id]
+    else:
+        ids = [f"{request_id}-{(first or 0) + i}" for i in range(shared.n)]
+    requests = []
+    for i, rid in enumerate(ids):
+        sampling = shared.sampling
+        if sampling.seed is not None:
+            sampling = replace(sampling, seed=choice_seed(sampling.seed, i))
+        requests.append(GenerationRequest(rid, prompt, budget, sampling))
+    return tuple(requests)
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` of a prompt whose request asked for `seed`.
+
+    Choice 0 keeps the seed, so n=1 samples exactly as before; the others take
+    splitmix64 of (seed, choice): deterministic, so a seeded request repeats, and
+    far apart, so its choices differ. The result stays a signed 64-bit integer,
+    as the protocol's seed is. A request without a seed gets none here: the
+    controller draws one per submitted request, the one place seeds are drawn.
+    """
+    if choice == 0:
+        return seed
+    z = (seed + choice * 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    z ^= z >> 31
+    return z - 2**64 if z >= INT64 else z
 
 
 def _budget(

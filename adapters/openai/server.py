@@ -2,8 +2,11 @@
 
 Served on Quart-trio. Chat and the legacy completions differ only in the JSON
 they read and write (normalize.py; ChatAnswer, CompletionAnswer); the rest is
-one path: submit, pump or collect, errors, metrics. A legacy completion with
-several prompts is one GenerationRequest per prompt, answered as one choice each.
+one path: submit, pump or collect, errors, metrics. Every choice is its own
+GenerationRequest (normalize.py): a request with n choices is n of them, a
+legacy completion with several prompts n per prompt (choice prompt * n + i).
+The router never sees n; the choices of a prompt share its prefill through
+the engine's prefix cache.
 
 A request is validated completely (normalize.py) before anything is sent, so
 every validation failure is an HTTP error with the OpenAI envelope. A request
@@ -108,7 +111,7 @@ class Step(NamedTuple):
 class Generation:
     """One GenerationRequest being answered: its deliveries to text, timings, outcome.
 
-    A chat completion has one; a legacy completion one per prompt (its choice index).
+    One per choice: n for a chat completion, n per prompt for a legacy completion.
     """
 
     def __init__(
@@ -186,18 +189,26 @@ class Answer:
     chunk_object = ""
 
     def __init__(
-        self, answer_id: str, model: str, include_usage: bool, generations: list[Generation]
+        self,
+        answer_id: str,
+        model: str,
+        include_usage: bool,
+        generations: list[Generation],
+        n: int,
     ) -> None:
         self.id = answer_id
         self.model = model
         self.include_usage = include_usage
-        self.generations = generations
+        self.generations = generations  # in choice order
+        self.n = n  # choices per prompt
         self.created = int(time.time())
         base = {"id": self.id, "object": self.chunk_object, "created": self.created}
         self._base = base | {"model": model, "system_fingerprint": None}
 
     def usage(self) -> dict[str, int]:
-        prompt = sum(g.prompt_tokens for g in self.generations)
+        # Each prompt counts once, however many choices it has (as OpenAI counts);
+        # generations[::n] is the first choice of each prompt.
+        prompt = sum(g.prompt_tokens for g in self.generations[:: self.n])
         completion = sum(g.egress.completion_tokens for g in self.generations)
         return {
             "prompt_tokens": prompt,
@@ -245,35 +256,36 @@ class Answer:
 class ChatAnswer(Answer):
     chunk_object = "chat.completion.chunk"
 
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+    def _chunk(self, index: int, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
         return self.frame(
-            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         )
 
     def opening(self, queue: ClientQueue) -> None:
-        queue.put_frame(self._chunk({"role": "assistant", "content": ""}))
+        for generation in self.generations:  # each choice opens with the role
+            queue.put_frame(self._chunk(generation.index, {"role": "assistant", "content": ""}))
 
     def delta_chunk(self, text: str, index: int) -> bytes:
-        return self._chunk({"content": text})
+        return self._chunk(index, {"content": text})
 
     def finish_chunk(self, index: int, finish_reason: str) -> bytes:
-        return self._chunk({}, finish_reason)
+        return self._chunk(index, {}, finish_reason)
 
     def body(self, texts: list[str]) -> dict[str, Any]:
-        [text] = texts
-        [generation] = self.generations
-        message = {"role": "assistant", "content": text, "refusal": None}
-        choice = {
-            "index": 0,
-            "message": message,
-            "logprobs": None,
-            "finish_reason": generation.finish_reason,
-        }
-        return self.result("chat.completion", [choice])
+        choices = [
+            {
+                "index": generation.index,
+                "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": None,
+                "finish_reason": generation.finish_reason,
+            }
+            for generation, text in zip(self.generations, texts, strict=True)
+        ]
+        return self.result("chat.completion", choices)
 
 
 class CompletionAnswer(Answer):
-    """The legacy /v1/completions: `text_completion` objects, one choice per prompt."""
+    """The legacy /v1/completions: `text_completion` objects, n choices per prompt."""
 
     chunk_object = "text_completion"
 
@@ -283,9 +295,10 @@ class CompletionAnswer(Answer):
         model: str,
         include_usage: bool,
         generations: list[Generation],
+        n: int,
         echoes: list[str],
     ) -> None:
-        super().__init__(answer_id, model, include_usage, generations)
+        super().__init__(answer_id, model, include_usage, generations, n)
         self.echoes = echoes  # per choice: the prompt text to put first ("" without echo)
 
     def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
@@ -432,16 +445,16 @@ class FencepostApp:
         body = await self._json_body()
         if isinstance(body, OpenAIError):
             return self._reject(body)
-        job = normalize_chat_request(
-            body, self._resolve_model, self._tokenize_chat, f"chatcmpl-{uuid.uuid4().hex}"
-        )
+        answer_id = f"chatcmpl-{uuid.uuid4().hex}"
+        job = normalize_chat_request(body, self._resolve_model, self._tokenize_chat, answer_id)
         if isinstance(job, OpenAIError):
             return self._reject(job)
-        streams = self._submit([job.request])
+        streams = self._submit(list(job.requests))
         if isinstance(streams, Response):
             return streams
-        generations = [Generation(self, self.models[job.model], streams[0], 0, job.stop)]
-        answer = ChatAnswer(job.request.request_id, job.model, job.include_usage, generations)
+        model = self.models[job.model]
+        generations = [Generation(self, model, s, i, job.stop) for i, s in enumerate(streams)]
+        answer = ChatAnswer(answer_id, job.model, job.include_usage, generations, len(generations))
         return await self._respond(answer, job.stream)
 
     async def completions(self) -> Response:
@@ -461,8 +474,11 @@ class FencepostApp:
         echoes = [
             (p.text if p.text is not None else model.decode(list(p.token_ids))) if job.echo else ""
             for p in job.prompts
+            for _ in range(shared.n)  # every choice of a prompt echoes it
         ]
-        answer = CompletionAnswer(answer_id, model.id, shared.include_usage, generations, echoes)
+        answer = CompletionAnswer(
+            answer_id, model.id, shared.include_usage, generations, shared.n, echoes
+        )
         return await self._respond(answer, shared.stream)
 
     async def _json_body(self) -> object:
