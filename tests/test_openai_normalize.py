@@ -53,7 +53,13 @@ def test_a_minimal_request_gets_openai_defaults() -> None:
     assert job.requests[0].prompt_token_ids == (1, 1, 1, 1)
     assert job.requests[0].max_new_tokens == 96  # the rest of the context
     assert job.requests[0].sampling == Sampling(temperature=1.0, top_p=1.0, seed=None)
-    assert (job.stream, job.include_usage, job.stop, job.model) == (False, False, (), "m")
+    shared = job.shared
+    assert (shared.stream, shared.include_usage, shared.stop, shared.model.id) == (
+        False,
+        False,
+        (),
+        "m",
+    )
 
 
 def test_accepted_fields_reach_the_generation_request() -> None:
@@ -70,8 +76,8 @@ def test_accepted_fields_reach_the_generation_request() -> None:
     )  # fmt: skip
     assert job.requests[0].max_new_tokens == 5  # max_completion_tokens wins
     assert job.requests[0].sampling == Sampling(0.0, 0.5, -3)
-    assert job.stop == ("x", "yz")
-    assert job.stream and job.include_usage
+    assert job.shared.stop == ("x", "yz")
+    assert job.shared.stream and job.shared.include_usage
 
 
 @pytest.mark.parametrize(
@@ -126,7 +132,7 @@ def test_bad_messages_are_400_naming_the_message(message: Any, param: str) -> No
 def test_stream_options_need_stream() -> None:
     assert refused(stream_options={"include_usage": True}).param == "stream_options"
     assert refused(stream=True, stream_options={"include_usage": "y"}).param == "stream_options"
-    assert not ok(stream=False, stream_options=None).include_usage
+    assert not ok(stream=False, stream_options=None).shared.include_usage
 
 
 def test_unknown_model_is_404_model_not_found() -> None:
@@ -200,7 +206,7 @@ def test_values_exactly_at_an_inclusive_limit_are_accepted(fields: dict[str, Any
         assert job.requests[0].sampling.temperature == fields["temperature"]
     if "stop" in fields:
         stops = fields["stop"]
-        assert job.stop == ((stops,) if isinstance(stops, str) else tuple(stops))
+        assert job.shared.stop == ((stops,) if isinstance(stops, str) else tuple(stops))
     if "seed" in fields:
         assert job.requests[0].sampling.seed == fields["seed"]
 

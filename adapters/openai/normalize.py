@@ -47,16 +47,6 @@ class ChatMessage(msgspec.Struct, frozen=True):
     content: str
 
 
-class ChatJob(msgspec.Struct, frozen=True):
-    """Everything the boundary needs to run one chat completion: a request per choice."""
-
-    requests: tuple[GenerationRequest, ...]  # choice i is requests[i]
-    model: str
-    stream: bool
-    include_usage: bool
-    stop: tuple[str, ...]
-
-
 class Prompt(msgspec.Struct, frozen=True):
     """One prompt of a legacy completion: its tokens, and its text when it came as text."""
 
@@ -74,6 +64,13 @@ class Shared(msgspec.Struct, frozen=True):
     stop: tuple[str, ...]
     budget: int | None  # max tokens asked for; None: not given
     n: int  # choices per prompt
+
+
+class ChatJob(msgspec.Struct, frozen=True):
+    """Everything the boundary needs to run one chat completion: a request per choice."""
+
+    requests: tuple[GenerationRequest, ...]  # choice i is requests[i]
+    shared: Shared  # model, stream, include_usage, sampling, stop, as asked
 
 
 class CompletionJob(msgspec.Struct, frozen=True):
@@ -154,7 +151,7 @@ def normalize_chat_request(
     if isinstance(budget, OpenAIError):
         return budget
     requests = _choices(shared, request_id, tuple(prompt), budget, first=None)
-    return ChatJob(requests, model.id, shared.stream, shared.include_usage, shared.stop)
+    return ChatJob(requests, shared)
 
 
 def normalize_completion_request(

@@ -27,9 +27,9 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 import trio
@@ -48,7 +48,9 @@ from adapters.openai.errors import OpenAIError, from_outcome, invalid
 from adapters.openai.metrics import Metrics
 from adapters.openai.models import ServedModel
 from adapters.openai.normalize import (
+    ChatJob,
     ChatMessage,
+    CompletionJob,
     ModelInfo,
     normalize_chat_request,
     normalize_completion_request,
@@ -57,6 +59,8 @@ from adapters.runtime.controller import Controller, RequestStream
 from core.protocol import DeliverError, DeliverFinished, DeliverToken, Delivery, GenerationRequest
 
 log = logging.getLogger("fencepost.http")
+
+J = TypeVar("J", ChatJob, CompletionJob)  # what an endpoint's request normalizes to
 
 DONE = b"data: [DONE]\n\n"
 FINISH_REASONS = {"eos": "stop", "length": "length"}
@@ -442,35 +446,31 @@ class FencepostApp:
     # --- chat completions and legacy completions ---
 
     async def chat(self) -> Response:
-        body = await self._json_body()
-        if isinstance(body, OpenAIError):
-            return self._reject(body)
-        answer_id = f"chatcmpl-{uuid.uuid4().hex}"
-        job = normalize_chat_request(body, self._resolve_model, self._tokenize_chat, answer_id)
-        if isinstance(job, OpenAIError):
-            return self._reject(job)
-        streams = self._submit(list(job.requests))
-        if isinstance(streams, Response):
-            return streams
-        model = self.models[job.model]
-        generations = [Generation(self, model, s, i, job.stop) for i, s in enumerate(streams)]
-        answer = ChatAnswer(answer_id, job.model, job.include_usage, generations, len(generations))
-        return await self._respond(answer, job.stream)
+        accepted = await self._accept(
+            "chatcmpl",
+            lambda body, answer_id: normalize_chat_request(
+                body, self._resolve_model, self._tokenize_chat, answer_id
+            ),
+        )
+        if isinstance(accepted, Response):
+            return accepted
+        answer_id, job, generations = accepted
+        shared = job.shared
+        answer = ChatAnswer(answer_id, shared.model.id, shared.include_usage, generations, shared.n)
+        return await self._respond(answer, shared.stream)
 
     async def completions(self) -> Response:
-        body = await self._json_body()
-        if isinstance(body, OpenAIError):
-            return self._reject(body)
-        answer_id = f"cmpl-{uuid.uuid4().hex}"
-        job = normalize_completion_request(body, self._resolve_model, self._tokenize, answer_id)
-        if isinstance(job, OpenAIError):
-            return self._reject(job)
-        streams = self._submit(list(job.requests))
-        if isinstance(streams, Response):
-            return streams
+        accepted = await self._accept(
+            "cmpl",
+            lambda body, answer_id: normalize_completion_request(
+                body, self._resolve_model, self._tokenize, answer_id
+            ),
+        )
+        if isinstance(accepted, Response):
+            return accepted
+        answer_id, job, generations = accepted
         shared = job.shared
         model = self.models[shared.model.id]
-        generations = [Generation(self, model, s, i, shared.stop) for i, s in enumerate(streams)]
         echoes = [
             (p.text if p.text is not None else model.decode(list(p.token_ids))) if job.echo else ""
             for p in job.prompts
@@ -480,6 +480,26 @@ class FencepostApp:
             answer_id, model.id, shared.include_usage, generations, shared.n, echoes
         )
         return await self._respond(answer, shared.stream)
+
+    async def _accept(
+        self, prefix: str, normalize: Callable[[object, str], J | OpenAIError]
+    ) -> tuple[str, J, list[Generation]] | Response:
+        """Read, validate and submit one request of either endpoint: its answer id, its
+        job and a Generation per choice, or the error response that refuses it."""
+        body = await self._json_body()
+        if isinstance(body, OpenAIError):
+            return self._reject(body)
+        answer_id = f"{prefix}-{uuid.uuid4().hex}"
+        job = normalize(body, answer_id)
+        if isinstance(job, OpenAIError):
+            return self._reject(job)
+        streams = self._submit(list(job.requests))
+        if isinstance(streams, Response):
+            return streams
+        shared = job.shared
+        model = self.models[shared.model.id]
+        generations = [Generation(self, model, s, i, shared.stop) for i, s in enumerate(streams)]
+        return answer_id, job, generations
 
     async def _json_body(self) -> object:
         """The decoded JSON body, or the OpenAIError that refuses it."""
