@@ -35,36 +35,12 @@ def post(server: ServerThread, path: str, payload: Any) -> requests.Response:
     return requests.post(f"{server.base_url}{path}", json=payload, timeout=30)
 
 
-def chat_stream(reply: requests.Response) -> tuple[dict[int, str], dict[int, str], Any]:
-    """Per choice: its streamed content and finish_reason; and the usage chunk's usage.
-    Checks that each choice opens with the role and sends nothing after its finish."""
-    events = sse_events(reply.content)
-    assert events[-1] == "[DONE]"
-    texts: dict[int, str] = defaultdict(str)
-    finishes: dict[int, str] = {}
-    usage = None
-    for event in events[:-1]:
-        assert event["object"] == "chat.completion.chunk"
-        if not event["choices"]:
-            usage = event["usage"]
-            continue
-        [choice] = event["choices"]
-        index = choice["index"]
-        assert index not in finishes, "a chunk after the choice's finish chunk"
-        if index not in texts:
-            assert choice["delta"].get("role") == "assistant", "the first chunk has the role"
-        texts[index] += choice["delta"].get("content", "")
-        if choice["finish_reason"] is not None:
-            finishes[index] = choice["finish_reason"]
-    return dict(texts), finishes, usage
-
-
 def chat_choices(server: ServerThread, stream: bool, **fields: Any) -> tuple[list[str], Any]:
     """The texts of a chat completion's choices in index order, and its usage."""
     payload = chat_body("roll the dice", max_tokens=24, **fields)
     if stream:
         payload |= {"stream": True, "stream_options": {"include_usage": True}}
-        texts, finishes, usage = chat_stream(post(server, CHAT, payload))
+        texts, finishes, usage = streamed_choices(post(server, CHAT, payload), chat=True)
         assert sorted(finishes) == sorted(texts) == list(range(len(texts)))
         return [texts[i] for i in range(len(texts))], usage
     done = post(server, CHAT, payload).json()

@@ -39,24 +39,34 @@ def post(server: ServerThread, payload: Any) -> requests.Response:
     return requests.post(f"{server.base_url}/v1/completions", json=payload, timeout=30)
 
 
-def streamed_choices(reply: requests.Response) -> tuple[dict[int, str], dict[int, str], Any]:
-    """Per choice index: the streamed text and finish_reason; and the usage chunk's usage."""
+def streamed_choices(
+    reply: requests.Response, chat: bool = False
+) -> tuple[dict[int, str], dict[int, str], Any]:
+    """Per choice index: the streamed text and finish_reason; and the usage chunk's usage.
+    Checks that nothing follows a choice's finish chunk, and (chat) that each choice
+    opens with the role."""
     events = sse_events(reply.content)
     assert events[-1] == "[DONE]"
     texts: dict[int, str] = defaultdict(str)
     finishes: dict[int, str] = {}
     usage = None
     for event in events[:-1]:
-        assert event["object"] == "text_completion"
+        assert event["object"] == ("chat.completion.chunk" if chat else "text_completion")
         if not event["choices"]:
             usage = event["usage"]
             continue
         [choice] = event["choices"]
-        assert choice["logprobs"] is None
-        assert choice["index"] not in finishes, "text after the choice's finish chunk"
-        texts[choice["index"]] += choice["text"]
+        index = choice["index"]
+        assert index not in finishes, "a chunk after the choice's finish chunk"
+        if chat:
+            if index not in texts:
+                assert choice["delta"].get("role") == "assistant", "the first chunk has the role"
+            texts[index] += choice["delta"].get("content", "")
+        else:
+            assert choice["logprobs"] is None
+            texts[index] += choice["text"]
         if choice["finish_reason"] is not None:
-            finishes[choice["index"]] = choice["finish_reason"]
+            finishes[index] = choice["finish_reason"]
     return dict(texts), finishes, usage
 
 
