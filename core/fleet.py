@@ -397,7 +397,7 @@ class Fleet:
             prefill = len(context.tokens) - (self.cached_tokens(worker, context) if aware else 0)
             predicted = 0.0
             if aware:
-                ahead = sum(record.prefill for record in worker.holds.values())
+                ahead = self.queued_prefill(worker)
                 rate = (worker.cache.prefill_rate if worker.cache else 0.0) or (
                     self.config.default_prefill_rate
                 )
@@ -406,6 +406,11 @@ class Fleet:
             if best_key is None or key < best_key:
                 best, best_key = (worker, prefill), key
         return best
+
+    @staticmethod
+    def queued_prefill(worker: WorkerRecord) -> int:
+        """Prefill tokens placed on the worker and not yet past their first token."""
+        return sum(record.prefill for record in worker.holds.values())
 
     def cached_tokens(self, worker: WorkerRecord, context: Chain) -> int:
         """Tokens of `context` the worker's last report says it can reuse: leading

@@ -224,7 +224,7 @@ class Router:
     def queued_prefill(self, worker_id: str) -> int:
         """Prefill tokens placed on the worker and not yet past their first token."""
         worker = self.fleet.workers.get(worker_id)
-        return 0 if worker is None else sum(r.prefill for r in worker.holds.values())
+        return 0 if worker is None else self.fleet.queued_prefill(worker)
 
     def holders(self, request_id: str) -> list[str]:
         """Workers on which the router counts a live hold (offered, held, missing) for it."""
