@@ -260,7 +260,6 @@ class Oracles:
         router, config = self.router, self.config
         views = router.views()
         queued = {v.worker_id: router.queued_prefill(v.worker_id) for v in views}
-        held = {v.worker_id: v.held for v in views}
         # Back to the state before each offer: take off the offers at and after it.
         later: dict[str, tuple[int, int]] = {}  # worker -> (prefill, offers) from here on
         staged = []
@@ -291,7 +290,7 @@ class Oracles:
                 if view.max_context < request.context_tokens:
                     continue
                 ahead, count = after.get(other, (0, 0))
-                if held[other] - count >= view.slots:
+                if view.held - count >= view.slots:
                     continue
                 if mine > queued[other] - ahead + len(context):
                     self._violation(
