@@ -51,6 +51,23 @@ class Sampling(Struct, frozen=True):
     seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
 
 
+MAX_TOP_LOGPROBS = 20
+MAX_GRAMMAR_BYTES = 256 * 1024  # a grammar travels in the Offer frame (1 MiB at most)
+
+
+class Constraint(Struct, frozen=True):
+    """The output must be a sentence of this grammar (constrained decoding).
+
+    Opaque to core: the text is an llguidance grammar (JSON naming a JSON schema
+    or a Lark grammar) that adapters/engine compiles. What the grammar allows at
+    any point is a function of the output tokens before it, so a continuation
+    rebuilds the state from its output_prefix and goes on exactly as the
+    undisturbed run would.
+    """
+
+    grammar: Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_BYTES)]
+
+
 class GenerationRequest(Struct, frozen=True):
     """What the router schedules: token ids in, token ids out. No JSON, no text.
 
@@ -58,6 +75,10 @@ class GenerationRequest(Struct, frozen=True):
     0..k-1) are already with the client; the worker takes them as context and
     generates from index k, within the same max_new_tokens budget and with the
     same sampling, so an undisturbed run and a resumed one agree token for token.
+
+    logprobs None asks for no log probabilities; k asks, with every token, for
+    its log probability and those of the k most likely tokens at that step.
+    constraint, when set, limits every token to what its grammar allows.
     """
 
     request_id: RequestId
@@ -66,6 +87,8 @@ class GenerationRequest(Struct, frozen=True):
     sampling: Sampling = Sampling()
     stop_token_ids: tuple[TokenId, ...] = ()
     output_prefix: tuple[TokenId, ...] = ()
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         # Checked here (not only by Meta) so that requests built in memory are
@@ -76,6 +99,8 @@ class GenerationRequest(Struct, frozen=True):
             raise ValueError("max_new_tokens must be at least 1")
         if len(self.output_prefix) > self.max_new_tokens:
             raise ValueError("output_prefix is longer than max_new_tokens")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
 
     @property
     def context_tokens(self) -> int:

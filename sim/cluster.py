@@ -697,6 +697,7 @@ _ABBREVIATIONS = (
     ("GenerationRequest(request_id=", "Req("),
     ("sampling=Sampling(temperature=0.0, top_p=1.0, seed=", "seed=("),
     (", stop_token_ids=()", ""),
+    (", logprobs=None, constraint=None", ""),
     ("prompt_token_ids=", "prompt="),
     ("max_new_tokens=", "max_new="),
     ("assignment=", ""),
