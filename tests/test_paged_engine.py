@@ -19,7 +19,7 @@ from adapters.engine.model import LoadedModel, chat_token_ids, load_model
 from adapters.engine.quality import text_tokens
 from adapters.runtime.worker_host import EngineDecoder
 from core.batching import BatchLimits
-from core.protocol import Assignment, DecodeDone, GenerationRequest
+from core.protocol import Assignment, Decoded, DecodeDone, GenerationRequest, Sampling
 from tests.test_engine import run
 
 
@@ -73,6 +73,35 @@ def test_a_cached_long_prefix_gives_the_tokens_of_an_uncached_run(
     assert report.prompt_tokens == len(first.prompt_token_ids) + len(second.prompt_token_ids)
     assert report.computed_tokens < report.prompt_tokens
     assert report.prefill_rate > 0 and len(report.keys) > 0
+
+
+def test_choices_of_one_prompt_started_together_compute_it_once(
+    loaded: LoadedModel, text: list[int]
+) -> None:
+    """n choices (or a burst of chats with one system prompt) arrive in one step: the
+    first computes the shared blocks, the others wait for them instead of computing
+    them beside it, and an unrelated request is not held up."""
+    prompt = tuple(text[400:500])
+    choices = [GenerationRequest(f"c{i}", prompt, 12, Sampling(0.8, seed=i + 1)) for i in range(3)]
+    other = GenerationRequest("other", tuple(text[600:650]), 12)
+    eng = engine(loaded)
+    for request in (*choices, other):
+        eng.start(Assignment(request.request_id, 1), request)
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in (*choices, other)}
+    for step in range(200):
+        for event in eng.step():
+            if isinstance(event, Decoded):
+                tokens[event.assignment.request_id].append(event.token_id)
+        if step == 0:
+            assert eng.active == 2  # the first choice and the unrelated request
+        if not eng.has_work():
+            break
+    size = eng.blocks.block_size
+    tail = len(prompt) - size * ((len(prompt) - 1) // size)  # what a sharer computes
+    report = eng.cache_report()
+    assert report.computed_tokens == len(prompt) + 2 * tail + len(other.prompt_token_ids)
+    alone = run(engine(loaded, prefix_caching=False), [*choices, other])
+    assert {rid: [*out, "length"] for rid, out in tokens.items()} == alone
 
 
 def test_a_continuation_reuses_its_own_earlier_output_and_goes_on_exactly(

@@ -44,7 +44,7 @@ from adapters.engine.choose import choose
 from adapters.engine.llama import DEFAULT_BLOCK_SIZE, LlamaRunner
 from adapters.engine.model import LoadedModel, say
 from core.batching import BatchLimits, Running, plan_step
-from core.blocks import BlockManager, blocks_for
+from core.blocks import BlockManager, blocks_for, chain_hashes
 from core.decoding import Generation
 from core.protocol import (
     Assignment,
@@ -90,6 +90,7 @@ class _Sequence:
     generation: Generation  # the output so far: a continuation starts with its prefix
     context: tuple[int, ...]  # what prefill puts in the cache: prompt + output so far
     prefilled: int = 0  # context tokens in the cache (found cached or computed)
+    chain: list[int] | None = None  # the context's chain keys, once asked for
 
     @property
     def assignment(self) -> Assignment:
@@ -275,7 +276,7 @@ class Engine:
         seq = self._running.pop(key)
         self.blocks.release(key)
         seq.context = (*seq.request.prompt_token_ids, *seq.generation.output)
-        seq.prefilled = 0
+        seq.prefilled, seq.chain = 0, None
         self._waiting = {key: seq, **self._waiting}
         self.preemptions += 1
 
@@ -287,6 +288,7 @@ class Engine:
         block_size, total_blocks = self.blocks.block_size, self.blocks.num_blocks
         cached = 0
         blocked = False
+        coming = self._coming_blocks()
         for key, seq in list(self._waiting.items()):
             whole = seq.request.context_tokens
             if whole > self.limits.max_context or blocks_for(whole, block_size) > total_blocks:
@@ -296,6 +298,8 @@ class Engine:
                 continue
             if blocked or len(self._running) >= self.limits.max_seqs:
                 continue  # nobody overtakes the head; later ones may still be refused
+            if coming and self._next_block(seq) in coming:
+                continue  # a running prefill is writing its next block: share it, soon
             need = self.blocks.needed(seq.context, len(seq.context))
             if need + len(self._running) > self.blocks.available:
                 blocked = True
@@ -303,10 +307,38 @@ class Engine:
             del self._waiting[key]
             found = self.blocks.allocate(key, seq.context, len(seq.context))
             seq.prefilled = found
+            if self.blocks.prefix_caching:
+                coming.update(self._chain(seq)[found // block_size :])
             cached += found
             self._prompt_tokens += len(seq.context)
             self._running[key] = seq
         return cached
+
+    def _coming_blocks(self) -> set[int]:
+        """Chain keys of the full blocks that running prefills will write and have not
+        committed yet. A waiting sequence whose next uncached block is among them
+        (n choices of one prompt, a burst of chats with one system prompt) waits
+        for them instead of computing the same positions again beside them."""
+        if not (self.blocks.prefix_caching and self._waiting):
+            return set()
+        size = self.blocks.block_size
+        coming: set[int] = set()
+        for seq in self._running.values():
+            if seq.prefilled < len(seq.context):
+                coming.update(self._chain(seq)[seq.prefilled // size :])
+        return coming
+
+    def _chain(self, seq: _Sequence) -> list[int]:
+        if seq.chain is None:
+            seq.chain = chain_hashes(seq.context, self.blocks.block_size)
+        return seq.chain
+
+    def _next_block(self, seq: _Sequence) -> int | None:
+        """The chain key of the first full block of seq's context not in the cache."""
+        size = self.blocks.block_size
+        found = self.blocks.cached_prefix(seq.context) // size
+        keys = chain_hashes(seq.context, size, found + 1)
+        return keys[found] if len(keys) > found else None
 
     def _decode(self, seqs: list[_Sequence], events: list[DecoderEvent]) -> None:
         device = self.device
