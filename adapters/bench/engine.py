@@ -11,7 +11,9 @@ exactly the requested number of tokens and the rates compare like for like.
 
 With --shared-prefix N it also times the first token of a request that
 starts with N tokens of text already in the prefix cache (an earlier request
-with another question computed them) against one whose N tokens are new.
+with another question computed them) against one whose N tokens are new, and
+the first tokens of a burst of requests (the largest --concurrency) that share a
+new N-token prefix and arrive together.
 """
 
 from __future__ import annotations
@@ -81,13 +83,33 @@ def first_token_s(engine: Engine, rid: str, prompt: tuple[int, ...]) -> tuple[fl
     return first, engine.cache_report().computed_tokens - computed
 
 
+def burst_first_tokens(
+    engine: Engine, prefix: tuple[int, ...], endings: list[tuple[int, ...]]
+) -> tuple[list[float], int]:
+    """Requests sharing `prefix` (not cached yet) started at once: each one's seconds
+    to its first token, sorted, and the tokens computed for all of them."""
+    computed = engine.cache_report().computed_tokens
+    for i, ending in enumerate(endings):
+        engine.start(
+            Assignment(f"burst-{i}", 1), GenerationRequest(f"burst-{i}", (*prefix, *ending), 1)
+        )
+    began, first = time.perf_counter(), []
+    while engine.has_work():
+        events = engine.step()
+        first += [time.perf_counter() - began for e in events if isinstance(e, Decoded)]
+    return sorted(first), engine.cache_report().computed_tokens - computed
+
+
 def shared_prefix_ttft(engine: Engine, loaded: LoadedModel, prefix_tokens: int) -> None:
     """First-token time with a cached prefix of `prefix_tokens` tokens, and without."""
     from adapters.engine.quality import text_tokens
 
-    text = text_tokens(loaded, 2 * prefix_tokens)
+    text = text_tokens(loaded, 3 * prefix_tokens)
     question = _prompt_ids(loaded)
-    for label, prefix in (("a", text[:prefix_tokens]), ("b", text[prefix_tokens:])):
+    for label, prefix in (
+        ("a", text[:prefix_tokens]),
+        ("b", text[prefix_tokens : 2 * prefix_tokens]),
+    ):
         cold, cold_computed = first_token_s(engine, f"cold-{label}", (*prefix, *question))
         other = (*prefix, *reversed(question))  # the same prefix, another ending
         warm, warm_computed = first_token_s(engine, f"warm-{label}", other)
@@ -96,6 +118,16 @@ def shared_prefix_ttft(engine: Engine, loaded: LoadedModel, prefix_tokens: int) 
             f"({cold_computed} tokens computed), seen before {warm * 1e3:7.1f} ms "
             f"({warm_computed} computed)"
         )
+    count = engine.limits.max_seqs
+    endings = [(*question[: 1 + i % len(question)], i + 1) for i in range(count)]
+    first, computed = burst_first_tokens(
+        engine, tuple(text[2 * prefix_tokens : 3 * prefix_tokens]), endings
+    )
+    print(
+        f"  burst of {count} requests sharing a new {prefix_tokens}-token prefix: first token "
+        f"p50 {first[len(first) // 2] * 1e3:.0f} ms, last {first[-1] * 1e3:.0f} ms, "
+        f"{computed} tokens computed of {sum(prefix_tokens + len(e) for e in endings)}"
+    )
 
 
 def memory_bandwidth_gbs(device: Any) -> float:
