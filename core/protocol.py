@@ -173,8 +173,10 @@ class OfferResult(WireMessage, frozen=True):
     seq: Count = 0
 
 
-class Token(WireMessage, frozen=True):
-    """Worker -> router: the token at `index` of the request's output."""
+class Token(WireMessage, frozen=True, omit_defaults=True):
+    """Worker -> router: the token at `index` of the request's output.
+
+    (omit_defaults: a token without a record costs no byte more than before.)"""
 
     assignment: Assignment
     index: Count
@@ -182,7 +184,7 @@ class Token(WireMessage, frozen=True):
     logprob: TokenLogprob | None = None  # when the request asks for logprobs
 
 
-class TokenRun(WireMessage, frozen=True):
+class TokenRun(WireMessage, frozen=True, omit_defaults=True):
     """Worker -> router: consecutive tokens from `start_index`, the answer to a Resend.
 
     One message, so the run arrives whole even on a link that reorders.

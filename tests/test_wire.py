@@ -97,9 +97,11 @@ def test_logprob_records_round_trip_and_bad_ones_are_refused() -> None:
     run = TokenRun(A, 2, (7, 8), (record, TokenLogprob(-3.0)))
     for message in (Token(A, 5, 7, record), run):
         assert decode_message(encode_message(message)) == message
-    plain, with_record = Token(A, 5, 7), Token(A, 5, 7, TokenLogprob(-0.5, ((7, -0.5),) * 5))
-    # array_like records: a top-5 entry costs about 10 bytes per alternative
-    assert len(encode_message(with_record)) - len(encode_message(plain)) < 80
+    top = tuple((40_000 + i, -0.5 - i) for i in range(5))
+    plain, with_record = Token(A, 5, 7), Token(A, 5, 7, TokenLogprob(-0.5, top))
+    # array_like records: about 14 bytes per alternative (an id, a double), no field names
+    assert len(encode_message(with_record)) - len(encode_message(plain)) < 90
+    assert b"logprob" not in encode_message(plain)  # no record: the field is left out
     encoded = msgspec.msgpack.encode
     too_many = encoded({"type": "Token", "assignment": ["r", 1], "index": 0, "token_id": 3,
                         "logprob": [-1.0, [[1, -1.0]] * 21]})  # fmt: skip
