@@ -48,6 +48,8 @@ class ChatModel:
         self.max_context = max_context
         self.vocab_size = len(tokenizer)  # with added special tokens
         self._byte_of = byte_level_decoder()
+        # Byte-level BPE writes a leading space as 'Ġ'; SentencePiece as '▁'.
+        self._byte_level = any("\u0120" in piece for piece in tokenizer.get_vocab())
         self.token_bytes = lru_cache(maxsize=65536)(self._token_bytes)
 
     def tokenize(self, text: str) -> list[int]:
@@ -63,12 +65,20 @@ class ChatModel:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
     def _token_bytes(self, token_id: int) -> bytes:
-        """The vocabulary entry's bytes (byte-level BPE: one character per byte); a
-        token written otherwise (an added token) is its text as UTF-8."""
+        """The vocabulary entry's bytes. Byte-level BPE: one character per byte.
+        SentencePiece: '▁' is a space and `<0xNN>` a byte of its own. Anything else
+        (an added token) is its text as UTF-8."""
         piece = str(self.tokenizer.convert_ids_to_tokens(token_id))
-        if all(c in self._byte_of for c in piece):
-            return bytes(self._byte_of[c] for c in piece)
-        return piece.encode()
+        if self._byte_level:
+            if all(c in self._byte_of for c in piece):
+                return bytes(self._byte_of[c] for c in piece)
+            return piece.encode()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode()
 
 
 FAKE_WORDS = (
