@@ -67,11 +67,13 @@ class LogprobEntries:
         self._produced = 0  # characters the detokenizer has given so far
         self._sent = 0  # characters sent to the client so far
 
-    def add(self, token_id: int, record: TokenLogprob, detokenized: str) -> None:
-        """A token arrived; `detokenized` is the text the detokenizer gave for it."""
-        self._waiting.append(Entry(self._candidate(token_id, record.logprob),
-                                   tuple(self._candidate(t, v) for t, v in record.top),
-                                   self._produced))  # fmt: skip
+    def add(self, token_id: int, record: TokenLogprob | None, detokenized: str) -> None:
+        """A token arrived (with its record; None only from a decoder that broke its
+        contract: no entry); `detokenized` is the text the detokenizer gave for it."""
+        if record is not None:
+            chosen = self._candidate(token_id, record.logprob)
+            top = tuple(self._candidate(t, v) for t, v in record.top)
+            self._waiting.append(Entry(chosen, top, self._produced))
         self._produced += len(detokenized)
 
     def release(self, sent: str) -> list[Entry]:

@@ -108,7 +108,7 @@ class TextEgress:
     def token(self, token_id: int, record: TokenLogprob | None = None) -> str:
         self.completion_tokens += 1
         text = self.detokenizer.push(token_id)
-        if self.logprobs is not None and record is not None:
+        if self.logprobs is not None:
             self.logprobs.add(token_id, record, text)
         return self.stop.feed(text)
 
