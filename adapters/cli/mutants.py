@@ -212,8 +212,9 @@ MUTANTS = (
     Mutant(
         "worker lets a decoder that skipped an index go on",
         "core/worker.py",
+        '            self._fenced["gap"] += 1\n'
         '            self._end(assignment, "failed", E.DECODER_SKIPPED, out)\n',
-        "",
+        '            self._fenced["gap"] += 1\n',
     ),
     Mutant(
         "batching forgets the decodes' share of a step",
