@@ -22,6 +22,7 @@ from core.protocol import (
     DecodeDone,
     DecoderEvent,
     GenerationRequest,
+    TokenLogprob,
 )
 
 
@@ -63,9 +64,12 @@ class Generation:
         reason = stop_reason(self.output, self.max_new_tokens, self.stop_ids)
         return None if reason is None else DecodeDone(self.assignment, reason)
 
-    def emit(self, token: int, events: list[DecoderEvent]) -> bool:
-        """Record the next token and append its events; True if the output ended with it."""
-        events.append(Decoded(self.assignment, len(self.output), token))
+    def emit(
+        self, token: int, events: list[DecoderEvent], logprob: TokenLogprob | None = None
+    ) -> bool:
+        """Record the next token and append its events; True if the output ended with it.
+        `logprob` is the token's record when the request asks for one."""
+        events.append(Decoded(self.assignment, len(self.output), token, logprob))
         self.output.append(token)
         reason = stop_reason(self.output, self.max_new_tokens, self.stop_ids)
         if reason is None:

@@ -14,12 +14,24 @@ two attempts draw different tokens (the simulator salts by attempt).
 
 Token EOS_TOKEN (0) ends a sequence; it comes up about once in EOS_ONE_IN
 tokens. Other tokens are 1..VOCAB-1.
+
+For a request that asks for logprobs, each token comes with a fake record
+(FakeContext.record): a pure function of the same context that fixes the
+token, so every attempt and every continuation agrees on it too. The numbers
+are made up (they are not a distribution): the top entries descend strictly
+and have distinct ids, which is all a client of the fake can rely on.
 """
 
 from __future__ import annotations
 
 from core.decoding import Generation, stop_reason
-from core.protocol import Assignment, ClientFinishReason, DecoderEvent, GenerationRequest
+from core.protocol import (
+    Assignment,
+    ClientFinishReason,
+    DecoderEvent,
+    GenerationRequest,
+    TokenLogprob,
+)
 
 VOCAB = 50_000
 EOS_TOKEN = 0
@@ -50,6 +62,16 @@ class FakeContext:
         mix ^= mix >> 29
         return EOS_TOKEN if mix % EOS_ONE_IN == 0 else 1 + mix % (VOCAB - 1)
 
+    def record(self, token: int, top: int) -> TokenLogprob:
+        """The fake logprob record of `token` at `index`, with `top` alternatives."""
+        mix = ((self.state ^ self.index ^ (token << 32)) * 0xC2B2AE3D27D4EB4F) & _MASK
+        mix ^= mix >> 31
+        base = (mix & 0xFFFF) / 65536.0  # in [0, 1)
+        alternatives = tuple(
+            (1 + (mix + 7919 * i) % (VOCAB - 1), -(base + 0.5 * i)) for i in range(top)
+        )
+        return TokenLogprob(-(base + (mix >> 16) % 8 / 4.0), alternatives)
+
     def feed(self, token: int) -> None:
         self.state = ((self.state ^ (token + 1)) * 0x100000001B3) & _MASK
         self.index += 1
@@ -63,7 +85,7 @@ def fake_stop_ids(request: GenerationRequest, ignore_eos: bool = False) -> froze
 class FakeDecode:
     """One assignment decoding on the fake model, one token per step."""
 
-    __slots__ = ("context", "generation", "started")
+    __slots__ = ("context", "generation", "started", "top")
 
     def __init__(
         self,
@@ -75,6 +97,7 @@ class FakeDecode:
         self.context = FakeContext(request, salt)
         self.generation = Generation(assignment, request, fake_stop_ids(request, ignore_eos))
         self.started = False
+        self.top = request.logprobs  # None: the request asks for no records
 
     @property
     def next_index(self) -> int:
@@ -89,9 +112,11 @@ class FakeDecode:
             if done is not None:
                 events.append(done)
                 return True
-        token = self.context.next_token()
-        self.context.feed(token)
-        return self.generation.emit(token, events)
+        context = self.context
+        token = context.next_token()
+        record = None if self.top is None else context.record(token, self.top)
+        context.feed(token)
+        return self.generation.emit(token, events, record)
 
 
 def reference_output(

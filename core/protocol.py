@@ -68,6 +68,23 @@ class Constraint(Struct, frozen=True):
     grammar: Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_BYTES)]
 
 
+Logprob = Annotated[float, Meta(le=0.0)]  # a natural log probability; -inf is allowed
+
+
+class TokenLogprob(Struct, frozen=True, array_like=True):
+    """A token's log probability, and the `top` most likely tokens at its step.
+
+    It travels with its token (Token, TokenRun, Decoded, DeliverToken), so it is
+    fenced with it: accepted or dropped together. `top` holds (token id, log
+    probability) pairs, most likely first, as many as the request's logprobs
+    asks (fewer only if the vocabulary has fewer). What distribution the
+    numbers come from is the decoder's business (docs/design/engine.md).
+    """
+
+    logprob: Logprob
+    top: Annotated[tuple[tuple[TokenId, Logprob], ...], Meta(max_length=MAX_TOP_LOGPROBS)] = ()
+
+
 class GenerationRequest(Struct, frozen=True):
     """What the router schedules: token ids in, token ids out. No JSON, no text.
 
@@ -156,23 +173,32 @@ class OfferResult(WireMessage, frozen=True):
     seq: Count = 0
 
 
-class Token(WireMessage, frozen=True):
-    """Worker -> router: the token at `index` of the request's output."""
+class Token(WireMessage, frozen=True, omit_defaults=True):
+    """Worker -> router: the token at `index` of the request's output.
+
+    (omit_defaults: a token without a record costs no byte more than before.)"""
 
     assignment: Assignment
     index: Count
     token_id: TokenId
+    logprob: TokenLogprob | None = None  # when the request asks for logprobs
 
 
-class TokenRun(WireMessage, frozen=True):
+class TokenRun(WireMessage, frozen=True, omit_defaults=True):
     """Worker -> router: consecutive tokens from `start_index`, the answer to a Resend.
 
     One message, so the run arrives whole even on a link that reorders.
+    logprobs is empty, or holds one record per token (the request asks).
     """
 
     assignment: Assignment
     start_index: Count
     token_ids: tuple[TokenId, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.logprobs and len(self.logprobs) != len(self.token_ids):
+            raise ValueError("a TokenRun has one logprob record per token, or none")
 
 
 class Finished(WireMessage, frozen=True):
@@ -340,6 +366,7 @@ class DeliverToken(Struct, frozen=True):
     request_id: str
     index: int
     token_id: int
+    logprob: TokenLogprob | None = None
 
 
 class DeliverFinished(Struct, frozen=True):
@@ -387,11 +414,13 @@ class FromRouterMessage(Struct, frozen=True):
 
 
 class Decoded(Struct, frozen=True):
-    """The decoder produced the token at `index` for an assignment."""
+    """The decoder produced the token at `index` for an assignment (with its
+    log probabilities when the request asks for them)."""
 
     assignment: Assignment
     index: int
     token_id: int
+    logprob: TokenLogprob | None = None
 
 
 class DecodeDone(Struct, frozen=True):

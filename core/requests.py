@@ -44,6 +44,7 @@ from core.protocol import (
     RouterEffect,
     SendToWorker,
     Token,
+    TokenLogprob,
     TokenRun,
 )
 from core.states import REQUEST, TERMINAL, Hold, Phase, RequestEvent, RouterMisuse
@@ -131,7 +132,7 @@ class Requests:
     def on_token(self, worker_id: str, token: Token, out: list[RouterEffect]) -> None:
         req = self._fence(worker_id, token.assignment)
         if req is not None and self._is_next(req, token.index, token.index + 1, out):
-            self._deliver(req, token.token_id, out)
+            self._deliver(req, token.token_id, token.logprob, out)
 
     def on_token_run(self, worker_id: str, run: TokenRun, out: list[RouterEffect]) -> None:
         req = self._fence(worker_id, run.assignment)
@@ -144,7 +145,8 @@ class Requests:
         for index in range(req.delivered, budget_end):
             if req.phase in TERMINAL:
                 return  # a pending Finished completed it; the rest is over its count
-            self._deliver(req, run.token_ids[index - run.start_index], out)
+            at = index - run.start_index
+            self._deliver(req, run.token_ids[at], run.logprobs[at] if run.logprobs else None, out)
 
     def on_finished(self, worker_id: str, finished: Finished, out: list[RouterEffect]) -> None:
         req = self._fence(worker_id, finished.assignment)
@@ -244,14 +246,22 @@ class Requests:
             return False
         return True
 
-    def _deliver(self, req: RequestRecord, token_id: int, out: list[RouterEffect]) -> None:
-        """Deliver the next token (the caller has checked it is the next one)."""
+    def _deliver(
+        self,
+        req: RequestRecord,
+        token_id: int,
+        logprob: TokenLogprob | None,
+        out: list[RouterEffect],
+    ) -> None:
+        """Deliver the next token, with its logprob record if it carries one (the
+        caller has checked it is the next one). Records are not kept: a resumed
+        attempt computes its own for the tokens it adds."""
         if req.phase is P.OFFERED:
             self._accept(req, out)
         first = req.phase is P.ASSIGNED  # this attempt's first token
         req.phase = REQUEST.next(req.phase, E.TOKEN)
         index = len(req.tokens)
-        out.append(DeliverToken(req.request.request_id, index, token_id))
+        out.append(DeliverToken(req.request.request_id, index, token_id, logprob))
         req.tokens.append(token_id)
         self.tokens_delivered += 1
         req.progress_by = self.now + self.config.token_timeout_s

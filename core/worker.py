@@ -60,6 +60,7 @@ from core.protocol import (
     StopDecode,
     TimerFired,
     Token,
+    TokenLogprob,
     TokenRun,
     WorkerEffect,
     WorkerEvent,
@@ -97,6 +98,18 @@ class WorkerStatistics(Struct, frozen=True):
 class _Active:
     max_new_tokens: int
     tokens: list[int] = field(default_factory=list)  # everything sent, for Resend
+    # The logprob records sent with tokens[first:], for Resend, when the request asks
+    # (a continuation's prefix came with the offer, without its records).
+    records: list[TokenLogprob] | None = None
+    first: int = 0
+
+    def run_from(self, assignment: Assignment, from_index: int) -> TokenRun | None:
+        """The tokens from `from_index` on (with their records), or None if none."""
+        start = from_index if self.records is None else max(from_index, self.first)
+        if start >= len(self.tokens):
+            return None
+        records = () if self.records is None else tuple(self.records[start - self.first :])
+        return TokenRun(assignment, start, tuple(self.tokens[start:]), records)
 
 
 class Worker:
@@ -104,7 +117,7 @@ class Worker:
         self.config = config
         self._active: dict[Assignment, _Active] = {}
         self._answers: OrderedDict[Assignment, OfferResult] = OrderedDict()
-        self._retained: OrderedDict[Assignment, tuple[list[int], Finished]] = OrderedDict()
+        self._retained: OrderedDict[Assignment, tuple[_Active, Finished]] = OrderedDict()
         self._seq = 0
         self._fenced: Counter[str] = Counter()
         self._declined: Counter[str] = Counter()
@@ -120,8 +133,8 @@ class Worker:
     def handle(self, event: WorkerEvent, now: float) -> list[WorkerEffect]:
         out: list[WorkerEffect] = []
         match event:
-            case Decoded(assignment, index, token_id):
-                self._on_decoded(assignment, index, token_id, out)
+            case Decoded(assignment, index, token_id, logprob):
+                self._on_decoded(assignment, index, token_id, logprob, out)
             case DecodeDone(assignment, reason):
                 if assignment in self._active:
                     self._end(assignment, reason, E.DECODE_DONE, out)
@@ -174,7 +187,12 @@ class Worker:
         )
 
     def _on_decoded(
-        self, assignment: Assignment, index: int, token_id: int, out: list[WorkerEffect]
+        self,
+        assignment: Assignment,
+        index: int,
+        token_id: int,
+        logprob: TokenLogprob | None,
+        out: list[WorkerEffect],
     ) -> None:
         active = self._active.get(assignment)
         if active is None:
@@ -189,22 +207,26 @@ class Worker:
         elif index >= active.max_new_tokens:
             self._fenced["over_budget"] += 1
         else:  # (active, decoded) -> active: the table's one self-loop, not looked up per token
+            if active.records is not None:
+                if logprob is None:  # the decoder broke its contract: the record is lost
+                    self._fenced["missing_logprob"] += 1
+                    self._end(assignment, "failed", E.DECODER_SKIPPED, out)
+                    return
+                active.records.append(logprob)
             active.tokens.append(token_id)
             self._tokens_sent += 1
-            out.append(SendToRouter(Token(assignment, index, token_id)))
+            out.append(SendToRouter(Token(assignment, index, token_id, logprob)))
 
     def _on_resend(self, assignment: Assignment, from_index: int, out: list[WorkerEffect]) -> None:
         active = self._active.get(assignment)
         finished: Finished | None = None
-        if active is not None:
-            tokens = active.tokens
-        elif (kept := self._retained.get(assignment)) is not None:
-            tokens, finished = kept
-        else:
+        if active is None and (kept := self._retained.get(assignment)) is not None:
+            active, finished = kept
+        if active is None:
             self._fenced["resend_unknown"] += 1
             return
-        if from_index < len(tokens):
-            run = TokenRun(assignment, from_index, tuple(tokens[from_index:]))
+        run = active.run_from(assignment, from_index)
+        if run is not None:
             out.append(SendToRouter(run))
         if finished is not None:
             out.append(SendToRouter(finished))
@@ -242,8 +264,12 @@ class Worker:
             return self._decline(offer.assignment, "context_length")
         self._move(offer.assignment, E.OFFER_ADMITTED)
         # A continuation's output so far counts as sent: its next index is k.
-        prefix = list(offer.request.output_prefix)
-        self._active[offer.assignment] = _Active(offer.request.max_new_tokens, prefix)
+        request = offer.request
+        prefix = list(request.output_prefix)
+        records: list[TokenLogprob] | None = None if request.logprobs is None else []
+        self._active[offer.assignment] = _Active(
+            request.max_new_tokens, prefix, records, len(prefix)
+        )
         self._accepted += 1
         out.append(StartDecode(offer.assignment, offer.request))
         config = self.config
@@ -274,7 +300,7 @@ class Worker:
         finished = Finished(assignment, reason, len(active.tokens))
         out.append(SendToRouter(finished))
         if reason in ("eos", "length"):
-            self._retained[assignment] = (active.tokens, finished)
+            self._retained[assignment] = (active, finished)
             while len(self._retained) > self.config.retained_outputs:
                 self._retained.popitem(last=False)
 

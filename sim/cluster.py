@@ -32,7 +32,7 @@ from functools import partial
 from typing import cast
 
 from core.batching import BatchLimits, Running, StepPlan, Waiting, admit, plan_step
-from core.fake_model import FakeDecode, reference_output
+from core.fake_model import FakeContext, FakeDecode, reference_output
 from core.protocol import (
     ArmTimer,
     Assignment,
@@ -108,6 +108,9 @@ class ClientStream:
     tokens: list[int] = field(default_factory=list)
     outcome: DeliverFinished | DeliverError | None = None
     cancel_requested: bool = False
+    # By salt: the fake model's context before the next token, to compute the logprob
+    # record each delivered token must carry (requests that ask for logprobs only).
+    contexts: dict[int, FakeContext] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -583,6 +586,10 @@ class Cluster:
                 stream.references = matching
                 if not stream.references:
                     self.violations.append(f"{rid}: token {token_id} at {index} is foreign")
+                elif not self._record_matches(stream, effect):
+                    self.violations.append(
+                        f"{rid}: logprob record at {index} is wrong: {effect.logprob!r}"
+                    )
                 stream.tokens.append(token_id)
             case DeliverFinished(_, finish_reason, count):
                 if (stream.tokens, finish_reason) not in stream.references.values():
@@ -594,6 +601,22 @@ class Cluster:
                 if not self._error_allowed(stream, kind):
                     self.violations.append(f"{rid}: error {kind} after {len(stream.tokens)} tokens")
                 stream.outcome = effect
+
+    def _record_matches(self, stream: ClientStream, token: DeliverToken) -> bool:
+        """Does the token carry the record the fake model gives it in its context (for
+        some salt it may come from; across resumes too), or none if none was asked?"""
+        top = stream.request.logprobs
+        if top is None:
+            return token.logprob is None
+        found = False
+        for salt in stream.references:
+            context = stream.contexts.get(salt)
+            if context is None or context.index != token.index:
+                context = FakeContext(stream.request, salt, tuple(stream.tokens))
+            found = found or context.record(token.token_id, top) == token.logprob
+            context.feed(token.token_id)
+            stream.contexts[salt] = context
+        return found
 
     def _error_allowed(self, stream: ClientStream, kind: str) -> bool:
         """The contract: which error outcomes a client may see, and when."""
@@ -720,7 +743,7 @@ def _misbehave(events: list[DecoderEvent], how: str, max_new_tokens: int) -> Non
         case "repeat" if isinstance(first, Decoded):
             events.insert(1, first)
         case "skip" if isinstance(first, Decoded):
-            events[0] = Decoded(first.assignment, first.index + 1, first.token_id)
+            events[0] = Decoded(first.assignment, first.index + 1, first.token_id, first.logprob)
         case "overrun" if isinstance(last, DecodeDone):
             # A token past the end: at the budget's index if the budget ended it.
             end = max_new_tokens if last.reason == "length" else None

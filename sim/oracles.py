@@ -97,6 +97,7 @@ FENCE_CAUSES: dict[str, frozenset[str]] = {
     "worker.gap": frozenset({"decoder_misbehaves"}),
     "worker.over_budget": frozenset({"decoder_misbehaves"}),
     "worker.late_finish": frozenset({"decoder_misbehaves"}),
+    "worker.missing_logprob": frozenset(),  # the fake decoder always sends a record
     # A Resend crossing the end of an output it cannot keep (cancelled, failed, a lost
     # process); one for a completed output is judged exactly, by _check_resend.
     "worker.resend_unknown": DECODER_FAULTS | {"crash", "drain", "client_cancel", "attempt_lost"},

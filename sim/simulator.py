@@ -229,6 +229,7 @@ class Simulation:
         self._faults_rng = Random(f"{seed}/faults")
         self._clients_rng = Random(f"{seed}/clients")
         self._decoder_rng = Random(f"{seed}/decoder")
+        self._logprobs_rng = Random(f"{seed}/logprobs")  # its own: the other draws stay put
         self.clock = Clock()  # the one clock and event queue: ours and the machines' timers
         self.faults: Counter[str] = Counter()
         self.healed = False
@@ -464,8 +465,14 @@ class Simulation:
             max_new = rng.randint(mean - spread, mean + spread)
             seed = rng.randrange(2**32) if rng.random() < 0.7 else None
             temperature = rng.choice((0.0, 0.7))
+            asks = self._logprobs_rng
+            logprobs = asks.choice((0, 1, 5, 20)) if asks.random() < 0.3 else None
             request = GenerationRequest(
-                f"r{index}", prompt, max(1, max_new), Sampling(temperature, 1.0, seed)
+                f"r{index}",
+                prompt,
+                max(1, max_new),
+                Sampling(temperature, 1.0, seed),
+                logprobs=logprobs,
             )
             self.clock.schedule(t, self._arrive, request)
             if rng.random() < self.swarm.cancel_rate:

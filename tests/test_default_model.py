@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -216,3 +217,24 @@ def test_each_role_reaches_the_real_chat_template_as_itself(first_load: LoadedMo
         text = first_load.tokenizer.decode(ids)
         assert f"<|im_start|>{role}\nBe brief.<|im_end|>" in text
         assert text.endswith("<|im_start|>assistant\n")  # ready for the answer
+
+
+def test_logprobs_of_greedy_tokens_are_the_models_log_softmax(first_load: LoadedModel) -> None:
+    eng = Engine(first_load, BatchLimits(max_seqs=2, max_context=256))
+    prompt = chat(first_load, "What is the capital of France?")
+    eng.start(Assignment("q", 1), GenerationRequest("q", prompt, 6, logprobs=5))
+    events: list[Decoded] = []
+    while eng.has_work():
+        events += [e for e in eng.step() if isinstance(e, Decoded)]
+    tokens = [e.token_id for e in events]
+    with torch.no_grad():  # the whole sequence at once, outside the engine: position i's logits
+        logits = first_load.model(torch.tensor([[*prompt, *tokens]])).logits[0].float()
+    for i, event in enumerate(events):
+        record = event.logprob
+        assert record is not None
+        expected = torch.log_softmax(logits[len(prompt) + i - 1], dim=-1)  # temperature 1
+        assert record.logprob == pytest.approx(float(expected[event.token_id]), abs=2e-3)
+        values = [v for _, v in record.top]
+        assert record.top[0][0] == event.token_id  # greedy: the most likely token
+        assert values == sorted(values, reverse=True) and len(values) == 5
+        assert sum(math.exp(v) for v in values) <= 1.0 + 1e-6

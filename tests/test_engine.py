@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -9,7 +10,14 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from adapters.engine.choose import working_formats
-from adapters.engine.engine import Engine, EngineThread, TokenDraw, sample_rows, token_seed
+from adapters.engine.engine import (
+    Engine,
+    EngineThread,
+    TokenDraw,
+    logprob_records,
+    sample_rows,
+    token_seed,
+)
 from adapters.engine.llama import LlamaRunner, UnsupportedModel
 from adapters.engine.model import LoadedModel
 from adapters.engine.weights import FORMATS, activation_dtype, projection
@@ -435,3 +443,66 @@ def test_the_command_line_offers_exactly_the_engine_formats_and_auto() -> None:
     from adapters.cli import WEIGHT_CHOICES
 
     assert ("auto", *FORMATS) == WEIGHT_CHOICES
+
+
+def decoded_events(eng: Engine, requests: list[GenerationRequest]) -> dict[str, list[Decoded]]:
+    for request in requests:
+        eng.start(Assignment(request.request_id, 1), request)
+    out: dict[str, list[Decoded]] = {r.request_id: [] for r in requests}
+    while eng.has_work():
+        for event in eng.step():
+            if isinstance(event, Decoded):
+                out[event.assignment.request_id].append(event)
+    return out
+
+
+def test_logprob_records_are_the_log_softmax_of_each_rows_draw() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(4, VOCAB) * 3
+    draws = [TokenDraw(0.0, 1.0, 0, 0), TokenDraw(0.5, 0.9, 7, 3), TokenDraw(1.3, 1.0, 2, 1),
+             TokenDraw(0.0, 1.0, 0, 0)]  # fmt: skip
+    picks = sample_rows(logits, draws)
+    records = logprob_records(logits, picks, draws, [3, 0, 20, None])
+    assert records[3] is None  # that row asks for none
+    for row, (temperature, top) in enumerate([(1.0, 3), (0.5, 0), (1.3, 20)]):
+        record = records[row]
+        assert record is not None
+        expected = torch.log_softmax(logits[row] / temperature, dim=-1)
+        assert record.logprob == pytest.approx(float(expected[picks[row]]), abs=1e-5)
+        values, ids = torch.topk(expected, top)
+        assert [t for t, _ in record.top] == ids.tolist()
+        assert [v for _, v in record.top] == pytest.approx(values.tolist(), abs=1e-5)
+    greedy = records[0]
+    assert greedy is not None and greedy.top[0] == (picks[0], greedy.logprob)
+
+
+def test_a_grammar_mask_renormalises_the_reported_distribution() -> None:
+    logits = torch.randn(1, VOCAB)
+    allowed = torch.zeros(1, VOCAB, dtype=torch.bool)
+    allowed[0, [3, 5, 8]] = True
+    draws = [TokenDraw(0.0, 1.0, 0, 0)]
+    [record] = logprob_records(logits, [5], draws, [4], allowed)
+    assert record is not None
+    assert {t for t, _ in record.top[:3]} == {3, 5, 8}
+    assert record.top[3][1] == float("-inf")  # a forbidden token: no probability at all
+    assert sum(math.exp(v) for _, v in record.top) == pytest.approx(1.0)
+
+
+def test_the_engine_sends_records_only_where_asked_and_a_continuation_agrees(
+    tiny: LlamaForCausalLM,
+) -> None:
+    sampling = Sampling(0.9, 0.95, seed=3)
+    asking = GenerationRequest("a", PROMPTS[0], 12, sampling, logprobs=2)
+    plain = GenerationRequest("p", PROMPTS[1], 12)
+    events = decoded_events(engine(tiny), [asking, plain])
+    assert all(e.logprob is None for e in events["p"])
+    records = [e.logprob for e in events["a"]]
+    assert all(r is not None and len(r.top) == 2 for r in records)
+    prefix = tuple(e.token_id for e in events["a"][:5])
+    cont = GenerationRequest("a", PROMPTS[0], 12, sampling, output_prefix=prefix, logprobs=2)
+    resumed = decoded_events(engine(tiny), [cont])["a"]
+    assert [e.token_id for e in resumed] == [e.token_id for e in events["a"][5:]]
+    for got, want in zip(resumed, records[5:], strict=True):
+        assert got.logprob is not None and want is not None
+        assert got.logprob.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [t for t, _ in got.logprob.top] == [t for t, _ in want.top]

@@ -15,6 +15,7 @@ set it higher for a longer run (README).
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -88,7 +89,7 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "tools": json_values,
     "tool_choice": json_values,
     "logprobs": st.sampled_from([True, False, 0, 1, None]) | json_values,
-    "top_logprobs": st.sampled_from([0, 1, 20, 21]) | json_values,
+    "top_logprobs": st.sampled_from([0, 1, 20, 21, -1, True, 2.0]) | json_values,
     "response_format": EDGES["response_format"] | json_values,
     "logit_bias": json_values,
     "presence_penalty": json_values,
@@ -110,7 +111,7 @@ COMPLETION_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "echo": st.booleans() | json_values,
     "suffix": st.sampled_from(["", "x"]) | json_values,
     "best_of": st.sampled_from([1, 2, 0, True]) | json_values,
-    "logprobs": st.sampled_from([0, 1, 5, False, None]) | json_values,
+    "logprobs": st.sampled_from([0, 1, 5, 20, 21, -1, False, True, None, 2.0]) | json_values,
 }
 
 
@@ -196,11 +197,32 @@ def check_reply(reply: requests.Response, streamed: bool, endpoint: Endpoint) ->
         assert events[-1] == "[DONE]"
         chunk, _ = endpoint.objects
         assert all(e["object"] == chunk for e in events[:-1] if "choices" in e)
+        choices = [c for e in events[:-1] for c in e.get("choices", [])]
     else:
         body = reply.json()
         assert body["object"] == endpoint.objects[1]
         assert [c["index"] for c in body["choices"]] == list(range(len(body["choices"])))
         assert all(c["finish_reason"] in ("stop", "length") for c in body["choices"])
+        choices = body["choices"]
+    for choice in choices:
+        check_logprobs(choice["logprobs"], endpoint)
+
+
+def check_logprobs(logprobs: Any, endpoint: Endpoint) -> None:
+    """None, or the endpoint's OpenAI shape with log probabilities that are finite, <= 0."""
+    if logprobs is None:
+        return
+    if endpoint is CHAT:
+        assert set(logprobs) == {"content", "refusal"}
+        for entry in logprobs["content"]:
+            assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+            values = [entry["logprob"], *(c["logprob"] for c in entry["top_logprobs"])]
+            assert all(set(c) == {"token", "logprob", "bytes"} for c in entry["top_logprobs"])
+            assert all(math.isfinite(v) and v <= 0 for v in values)
+    else:
+        assert set(logprobs) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+        assert len({len(v) for v in logprobs.values()}) == 1
+        assert all(math.isfinite(v) and v <= 0 for v in logprobs["token_logprobs"])
 
 
 def fuzz(endpoint: Endpoint, examples: int) -> Any:

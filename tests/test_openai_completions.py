@@ -177,7 +177,8 @@ def test_the_token_budget_ends_a_choice_with_length(server: ServerThread) -> Non
 REFUSALS = [
     # (what, fields, param)
     ("suffix", {"suffix": "the end"}, "suffix"),
-    ("logprobs", {"logprobs": 0}, "logprobs"),
+    ("logprobs past 20", {"logprobs": 21}, "logprobs"),
+    ("logprobs with echo", {"logprobs": 1, "echo": True}, "echo"),
     ("best_of", {"best_of": 2}, "best_of"),
     ("n past 16", {"n": 17}, "n"),
     ("n of 0", {"n": 0}, "n"),

@@ -85,8 +85,9 @@ def test_accepted_fields_reach_the_generation_request() -> None:
     [
         ("n", 17), ("n", 0), ("n", True), ("n", 1.0), ("tools", [{"type": "function"}]),
         ("tool_choice", "auto"),
-        ("functions", [{"name": "f"}]), ("function_call", "auto"), ("logprobs", True),
-        ("top_logprobs", 2), ("logit_bias", {"5": 1}), ("presence_penalty", 0.5),
+        ("functions", [{"name": "f"}]), ("function_call", "auto"), ("logprobs", 1),
+        ("top_logprobs", 2), ("top_logprobs", 21), ("logit_bias", {"5": 1}),
+        ("presence_penalty", 0.5),
         ("frequency_penalty", -1), ("audio", {"voice": "x"}), ("modalities", ["audio"]),
         ("response_format", {"type": "json_object"}), ("response_format", "text"),
         ("temperature", 2.5), ("temperature", -0.1), ("temperature", "hot"), ("temperature", True),
@@ -168,6 +169,9 @@ EDGES_ACCEPTED: list[dict[str, Any]] = [
     {"max_tokens": 1},
     {"max_completion_tokens": 1},
     {"logprobs": False},
+    {"logprobs": True},
+    {"logprobs": True, "top_logprobs": 0},
+    {"logprobs": True, "top_logprobs": 20},  # exactly MAX_TOP_LOGPROBS
     {"n": 1},
     {"n": 16},  # exactly MAX_CHOICES
     {"response_format": {"type": "text"}},
@@ -191,9 +195,12 @@ EDGES_REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"n": 17}, "n"),  # one past MAX_CHOICES
     ({"n": False}, "n"),
     ({"response_format": {}}, "response_format"),
-    ({"logprobs": True}, "logprobs"),
-    ({"logprobs": 0}, "logprobs"),
-    ({"top_logprobs": 0}, "top_logprobs"),
+    ({"logprobs": 0}, "logprobs"),  # chat's logprobs is a boolean
+    ({"top_logprobs": 0}, "top_logprobs"),  # only with logprobs true
+    ({"logprobs": False, "top_logprobs": 3}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": True}, "top_logprobs"),
     ({"tools": [{}]}, "tools"),
     ({"presence_penalty": 0.1}, "presence_penalty"),
 ]
@@ -267,7 +274,9 @@ def test_a_completion_gets_16_tokens_by_default_at_most_the_rest_of_the_context(
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"suffix": "x"}, "suffix"), ({"logprobs": 0}, "logprobs"), ({"best_of": 2}, "best_of"),
+        ({"suffix": "x"}, "suffix"), ({"logprobs": 21}, "logprobs"), ({"best_of": 2}, "best_of"),
+        ({"logprobs": True}, "logprobs"), ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 2, "echo": True}, "echo"),
         ({"best_of": 0}, "best_of"), ({"n": 17}, "n"), ({"echo": 1}, "echo"),
         ({"frequency_penalty": 1}, "frequency_penalty"), ({"logit_bias": {"1": 2}}, "logit_bias"),
         ({"prompt": ["a"] * (MAX_PROMPTS + 1)}, "prompt"), ({"prompt": [1000]}, "prompt"),
@@ -313,3 +322,15 @@ def test_choice_seeds_stay_in_the_int64_range(seed: int, choice: int) -> None:
     derived = choice_seed(seed, choice)
     assert -(2**63) <= derived < 2**63
     assert derived == seed if choice == 0 else derived != choice_seed(seed, choice + 1)
+
+
+def test_logprobs_reach_every_choice_as_the_top_count() -> None:
+    assert [r.logprobs for r in ok(n=2).requests] == [None, None]
+    assert [r.logprobs for r in ok(n=2, logprobs=True).requests] == [0, 0]
+    assert [r.logprobs for r in ok(logprobs=True, top_logprobs=7).requests] == [7]
+    assert [r.logprobs for r in ok(logprobs=False).requests] == [None]
+    job = completion_ok(prompt=["a", "b"], n=2, logprobs=5)
+    assert [r.logprobs for r in job.requests] == [5, 5, 5, 5]
+    assert completion_ok(logprobs=0, echo=False).requests[0].logprobs == 0
+    error = refused(top_logprobs=2)
+    assert error.param == "top_logprobs" and "logprobs" in error.message

@@ -31,6 +31,7 @@ from core.protocol import (
     Submit,
     TimerFired,
     Token,
+    TokenLogprob,
     TokenRun,
     WorkerGone,
 )
@@ -579,3 +580,17 @@ def test_epochs_are_handed_out_and_a_heartbeat_from_the_future_changes_nothing()
     assert router.worker_clock("w1") == (0, 1, False)
     beat(router, "w1", now=0.4, epoch=1)
     assert router.worker_clock("w1") == (1, 1, True)
+
+
+def test_logprob_records_are_delivered_with_their_tokens_from_tokens_and_runs() -> None:
+    router, a1 = accepted(max_new=4)
+    records = [TokenLogprob(-0.1 * (i + 1), ((i, -0.05),)) for i in range(4)]
+    assert [e for e in from_worker(router, "w1", Token(a1, 0, 10, records[0]))
+            if isinstance(e, DeliverToken)] == [DeliverToken("a", 0, 10, records[0])]  # fmt: skip
+    from_worker(router, "w1", Token(a1, 2, 12, records[2]))  # a gap: dropped, record and all
+    run = TokenRun(a1, 0, (10, 11, 12), tuple(records[:3]))
+    effects = from_worker(router, "w1", run)
+    assert [e for e in effects if isinstance(e, DeliverToken)] == [
+        DeliverToken("a", 1, 11, records[1]),
+        DeliverToken("a", 2, 12, records[2]),
+    ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -159,6 +161,79 @@ def test_kill_9_mid_stream_the_sdk_stream_resumes_on_the_other_worker(resume: bo
         assert text == undisturbed  # no error, no duplicate, no gap
         metrics = requests.get(f"{base}/metrics", timeout=10).text
         assert 'fencepost_requests_total{outcome="length"} 1.0' in metrics
+    finally:
+        for process in (serve, first, second):
+            if process is not None and process.poll() is None:
+                process.kill()
+            if process is not None:
+                process.wait(10)
+
+
+def undisturbed_entries(content: str, tokens: int, seed: int, choice: int) -> list[dict[str, Any]]:
+    """A choice's logprob entries as an undisturbed fake worker (ignoring EOS) makes them."""
+    from adapters.openai.logprobs import token_text
+    from adapters.openai.models import FakeChatModel
+    from adapters.openai.normalize import ChatMessage, choice_seed
+    from core.fake_model import FakeContext, reference_tokens
+    from core.protocol import GenerationRequest, Sampling
+
+    model = FakeChatModel("fake")
+    prompt = tuple(model.tokenize_chat([ChatMessage("user", content)]))
+    sampling = Sampling(0.7, 1.0, choice_seed(seed, choice))
+    request = GenerationRequest("x", prompt, tokens, sampling, logprobs=2)
+    context, entries = FakeContext(request), []
+    for token in reference_tokens(request, tokens):
+        record = context.record(token, 2)
+        context.feed(token)
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            raw = model.token_bytes(token_id)
+            return {"token": token_text(raw), "logprob": logprob, "bytes": list(raw)}
+
+        top = [entry(t, v) for t, v in record.top]
+        entries.append(entry(token, record.logprob) | {"top_logprobs": top})
+    return entries
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_kill_9_mid_stream_resumed_choices_keep_their_tokens_and_logprobs(n: int) -> None:
+    """Every choice of a streamed request (n of them, logprobs asked) on w1; w2 joins, w1
+    is killed: each choice's text and logprob entries are those of an undisturbed run."""
+    serve, _, base, worker_port = start_cluster()
+    first = second = None
+    try:
+        first = fake_worker(worker_port, "w1")
+        wait_for(lambda: healthy_workers(base) == 1)
+        content, tokens = "tell me more", 600  # 6 s of tokens: w2 starts well within
+        body = chat_body(content, max_tokens=tokens, n=n, temperature=0.7, seed=11,
+                         logprobs=True, top_logprobs=2, stream=True)  # fmt: skip
+        url = f"{base}/v1/chat/completions"
+        texts: dict[int, str] = {i: "" for i in range(n)}
+        entries: dict[int, list[Any]] = {i: [] for i in range(n)}
+        with requests.post(url, json=body, stream=True, timeout=60) as reply:
+            lines = (line for line in reply.iter_lines() if line)
+            for count, line in enumerate(lines):
+                assert line.startswith(b"data: ")
+                if line == b"data: [DONE]":
+                    break
+                event = json.loads(line[len(b"data: ") :])
+                assert "error" not in event, event
+                [choice] = event["choices"]
+                texts[choice["index"]] += choice["delta"].get("content") or ""
+                if choice["logprobs"] is not None:
+                    entries[choice["index"]] += choice["logprobs"]["content"]
+                if count == 40 * n:  # mid-stream: w2 joins, w1 dies
+                    second = fake_worker(worker_port, "w2")
+                    wait_for(lambda: healthy_workers(base) == 2)
+                    first.send_signal(signal.SIGKILL)
+        for i in range(n):
+            expected = undisturbed_entries(content, tokens, 11, i)
+            assert entries[i] == expected  # no gap, no duplicate, the same records
+            assert texts[i] == "".join(e["token"] for e in expected)
+        metrics = requests.get(f"{base}/metrics", timeout=10).text
+        assert f'fencepost_requests_total{{outcome="length"}} {float(n)}' in metrics
+        assert f"fencepost_stream_resumes {float(n)}" in metrics  # each choice resumed
+        assert first.wait(10) == -signal.SIGKILL
     finally:
         for process in (serve, first, second):
             if process is not None and process.poll() is None:

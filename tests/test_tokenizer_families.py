@@ -84,3 +84,15 @@ def test_the_sentencepiece_family_really_drops_the_space_of_a_token_decoded_alon
     glued = "".join(model.decode([t]) for t in ids)
     assert model.decode(ids) == "Hello world"
     assert glued != model.decode(ids)  # e.g. "Helloworld"
+
+
+@pytest.mark.parametrize("family", [byte_level, sentencepiece_style])
+def test_token_bytes_spell_the_text(family: Any) -> None:
+    model = ChatModel("m", family(), 512)
+    for text in TEXTS:
+        ids = model.tokenizer.encode(text, add_special_tokens=False)
+        spelled = b"".join(model.token_bytes(t) for t in ids).decode()
+        # SentencePiece marks the start of the text as a space ('▁') of its own
+        assert spelled in (text, " " + text), (text, spelled)
+    eos = model.tokenizer.eos_token_id
+    assert model.token_bytes(eos) == model.tokenizer.eos_token.encode()

@@ -17,6 +17,8 @@ from core.protocol import (
     OfferResult,
     Sampling,
     Token,
+    TokenLogprob,
+    TokenRun,
 )
 from core.wire import FrameReader, WireError, decode_message, encode_frame, encode_message
 
@@ -88,3 +90,25 @@ def test_arbitrary_bytes_never_raise(data: bytes) -> None:
     reader = FrameReader(max_frame_bytes=256)
     for item in reader.feed(data):
         assert isinstance(item, WireError | AnyWireMessage)
+
+
+def test_logprob_records_round_trip_and_bad_ones_are_refused() -> None:
+    record = TokenLogprob(-0.25, ((7, -0.25), (9, -1.5), (3, float("-inf"))))
+    run = TokenRun(A, 2, (7, 8), (record, TokenLogprob(-3.0)))
+    for message in (Token(A, 5, 7, record), run):
+        assert decode_message(encode_message(message)) == message
+    top = tuple((40_000 + i, -0.5 - i) for i in range(5))
+    plain, with_record = Token(A, 5, 7), Token(A, 5, 7, TokenLogprob(-0.5, top))
+    # array_like records: about 14 bytes per alternative (an id, a double), no field names
+    assert len(encode_message(with_record)) - len(encode_message(plain)) < 90
+    assert b"logprob" not in encode_message(plain)  # no record: the field is left out
+    encoded = msgspec.msgpack.encode
+    too_many = encoded({"type": "Token", "assignment": ["r", 1], "index": 0, "token_id": 3,
+                        "logprob": [-1.0, [[1, -1.0]] * 21]})  # fmt: skip
+    positive = encoded({"type": "Token", "assignment": ["r", 1], "index": 0, "token_id": 3,
+                        "logprob": [0.5, []]})  # fmt: skip
+    misaligned = encoded({"type": "TokenRun", "assignment": ["r", 1], "start_index": 0,
+                          "token_ids": [1, 2], "logprobs": [[-1.0, []]]})  # fmt: skip
+    for payload in (too_many, positive, misaligned):
+        result = decode_message(payload)
+        assert isinstance(result, WireError) and result.kind == "invalid", payload

@@ -23,6 +23,7 @@ from core.protocol import (
     StopDecode,
     TimerFired,
     Token,
+    TokenLogprob,
     TokenRun,
     WorkerEffect,
     WorkerStart,
@@ -208,3 +209,38 @@ def test_a_continuation_starts_at_the_index_after_its_prefix() -> None:
     assert sent(worker.handle(Decoded(a2, 0, 10), 0)) == []  # the prefix is not sent again
     assert sent(worker.handle(Decoded(a2, 3, 13), 0)) == [Token(a2, 3, 13)]
     assert sent(worker.handle(DecodeDone(a2, "eos"), 0)) == [Finished(a2, "eos", 4)]
+
+
+def test_logprob_records_go_with_their_tokens_and_a_resend_repeats_them() -> None:
+    worker = make()
+    request = GenerationRequest("a", (1, 2, 3), 6, output_prefix=(10, 11), logprobs=1)
+    a2 = Assignment("a", 2)
+    worker.handle(FromRouterMessage(Offer("w1", 3, a2, request)), 0)
+    records = [TokenLogprob(-0.5 * i, ((5, -0.1),)) for i in range(3)]
+    for index, (token, record) in enumerate(zip((12, 13, 14), records, strict=True)):
+        assert sent(worker.handle(Decoded(a2, 2 + index, token, record), 0)) == [
+            Token(a2, 2 + index, token, record)
+        ]
+    # The prefix's records are the router's business: a run starts after the prefix.
+    assert sent(worker.handle(FromRouterMessage(Resend(a2, 3)), 0)) == [
+        TokenRun(a2, 3, (13, 14), tuple(records[1:]))
+    ]
+    assert sent(worker.handle(FromRouterMessage(Resend(a2, 0)), 0)) == [
+        TokenRun(a2, 2, (12, 13, 14), tuple(records))
+    ]
+    worker.handle(DecodeDone(a2, "eos"), 0)
+    assert sent(worker.handle(FromRouterMessage(Resend(a2, 4)), 0)) == [
+        TokenRun(a2, 4, (14,), (records[2],)),
+        Finished(a2, "eos", 5),
+    ]
+
+
+def test_a_token_without_the_record_its_request_asks_for_fails_the_assignment() -> None:
+    worker = make()
+    a1 = Assignment("a", 1)
+    request = GenerationRequest("a", (1, 2, 3), 4, logprobs=0)
+    worker.handle(FromRouterMessage(Offer("w1", 3, a1, request)), 0)
+    effects = worker.handle(Decoded(a1, 0, 10), 0)
+    assert StopDecode(a1) in effects
+    assert sent(effects) == [Finished(a1, "failed", 0)]
+    assert worker.statistics().fenced == {"missing_logprob": 1}

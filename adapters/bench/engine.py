@@ -9,6 +9,11 @@ to the memory-bandwidth bound (every weight read once per token).
 EOS is ignored on both sides (HF: min_new_tokens), so every run generates
 exactly the requested number of tokens and the rates compare like for like.
 
+With --logprobs K every concurrency level runs twice over, alternating
+without and with log probabilities (the chosen token plus the top K, for every
+stream), and prints the best rate of each side by side: what asking for
+logprobs costs.
+
 With --shared-prefix N it also times the first token of a request that
 starts with N tokens of text already in the prefix cache (an earlier request
 with another question computed them) against one whose N tokens are new, and
@@ -26,7 +31,7 @@ from typing import Any
 
 import torch
 
-from adapters.engine.engine import DEFAULT_KV_CACHE_TOKENS, Engine
+from adapters.engine.engine import DEFAULT_KV_CACHE_TOKENS, Engine, TokenDraw, logprob_records
 from adapters.engine.llama import DEFAULT_BLOCK_SIZE
 from adapters.engine.model import LoadedModel, chat_token_ids, load_model
 from core.batching import BatchLimits
@@ -51,13 +56,19 @@ def hf_generate_rate(loaded: LoadedModel, prompt: tuple[int, ...], tokens: int) 
 
 
 def engine_run(
-    engine: Engine, prompt: tuple[int, ...], concurrent: int, tokens: int
+    engine: Engine,
+    prompt: tuple[int, ...],
+    concurrent: int,
+    tokens: int,
+    logprobs: int | None = None,
 ) -> tuple[float, list[float]]:
-    """(aggregate tokens/s, seconds of each decode-only step) for `concurrent` requests."""
+    """(aggregate tokens/s, seconds of each decode-only step) for `concurrent` requests,
+    each asking for `logprobs` alternatives (None: no log probabilities)."""
     for i in range(concurrent):
         sampling = Sampling(0.0 if concurrent == 1 else 0.7, 0.95, i)
-        rid = f"bench-{concurrent}-{i}"
-        engine.start(Assignment(rid, 1), GenerationRequest(rid, prompt, tokens, sampling))
+        rid = f"bench-{concurrent}-{i}-{logprobs}"
+        request = GenerationRequest(rid, prompt, tokens, sampling, logprobs=logprobs)
+        engine.start(Assignment(rid, 1), request)
     produced = 0
     decode_steps: list[float] = []
     began = time.perf_counter()
@@ -130,6 +141,40 @@ def shared_prefix_ttft(engine: Engine, loaded: LoadedModel, prefix_tokens: int) 
     )
 
 
+def logprobs_overhead(
+    engine: Engine, prompt: tuple[int, ...], concurrent: int, tokens: int, top: int
+) -> None:
+    """Tokens/s without and with logprobs (top `top`), alternating runs, best of two; and
+    the median time of logprob_records alone on logits of that many rows, against the
+    median decode step with logprobs (a steadier figure on a busy machine)."""
+    plain: list[float] = []
+    asking: list[float] = []
+    steps: list[float] = []
+    for _ in range(2):
+        plain.append(engine_run(engine, prompt, concurrent, tokens)[0])
+        rate, asking_steps = engine_run(engine, prompt, concurrent, tokens, top)
+        asking.append(rate)
+        steps += asking_steps
+    without, with_ = max(plain), max(asking)
+    print(
+        f"  {concurrent:2} stream{'s' if concurrent > 1 else ' '}: {without:8.1f} tok/s without "
+        f"logprobs, {with_:8.1f} tok/s with logprobs {top} ({with_ / without - 1:+.1%})"
+    )
+    logits = torch.randn(concurrent, engine.runner.vocab_size, device=engine.device)
+    draws = [TokenDraw(0.7, 0.95, i, 0) for i in range(concurrent)]
+    picks = torch.argmax(logits, dim=-1).tolist()
+    took = []
+    for _ in range(30):
+        began = time.perf_counter()
+        logprob_records(logits, picks, draws, [top] * concurrent)
+        took.append(time.perf_counter() - began)
+    alone, step = statistics.median(took), statistics.median(steps) if steps else float("nan")
+    print(
+        f"      logprob_records alone: {alone * 1e3:.2f} ms a step, "
+        f"{alone / step:.1%} of the median decode step ({step * 1e3:.1f} ms)"
+    )
+
+
 def memory_bandwidth_gbs(device: Any) -> float:
     """Read+write bandwidth of a 256 MiB tensor copy, best of five."""
     source = torch.ones(64 << 20, dtype=torch.float32, device=device)
@@ -154,6 +199,7 @@ def main(
     kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
     shared_prefix: int | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    logprobs: int | None = None,
 ) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
@@ -184,6 +230,8 @@ def main(
     rows = []
     steps_at_max: list[float] = []
     for n in concurrency:
+        if logprobs is not None:
+            logprobs_overhead(engine, prompt, n, tokens, logprobs)
         rate, steps = engine_run(engine, prompt, n, tokens)
         rows.append((n, rate))
         if n == max(concurrency):

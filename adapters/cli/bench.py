@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from adapters.cli import add_kv_cache_arguments, add_weights_argument, positive
+from core.protocol import MAX_TOP_LOGPROBS
 
 Flags = Callable[[argparse.ArgumentParser], None]
 Runner = Callable[[argparse.Namespace], int]
@@ -194,6 +195,10 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         help="also time the first token of a request whose TOKENS-token prefix is cached "
         "against one whose prefix is not",
     )  # fmt: skip
+    parser.add_argument(
+        "--logprobs", type=int, choices=range(MAX_TOP_LOGPROBS + 1), default=None, metavar="K",
+        help="also measure each concurrency without and with logprobs (top K), side by side",
+    )  # fmt: skip
 
 
 def _engine(args: argparse.Namespace) -> int:
@@ -209,6 +214,7 @@ def _engine(args: argparse.Namespace) -> int:
         kv_cache_tokens=args.kv_cache_tokens,
         shared_prefix=args.shared_prefix,
         block_size=args.block_size,
+        logprobs=args.logprobs,
     )
 
 

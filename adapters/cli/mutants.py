@@ -113,8 +113,21 @@ MUTANTS = (
     Mutant(
         "worker resends from the wrong index",
         "core/worker.py",
-        "            run = TokenRun(assignment, from_index, tuple(tokens[from_index:]))\n",
-        "            run = TokenRun(assignment, from_index, tuple(tokens[from_index + 1 :]))\n",
+        "        return TokenRun(assignment, start, tuple(self.tokens[start:]), records)\n",
+        "        return TokenRun(assignment, start, tuple(self.tokens[start + 1 :]), records[1:])"
+        "\n",
+    ),
+    Mutant(
+        "router delivers a resent run's logprob records one off",
+        "core/requests.py",
+        "run.logprobs[at] if run.logprobs else None",
+        "run.logprobs[at - 1] if run.logprobs else None",
+    ),
+    Mutant(
+        "worker keeps a continuation's records as if from index 0",
+        "core/worker.py",
+        "            request.max_new_tokens, prefix, records, len(prefix)\n",
+        "            request.max_new_tokens, prefix, records, 0\n",
     ),
     Mutant(
         "worker keeps decoding after a cancel",
@@ -127,7 +140,7 @@ MUTANTS = (
     Mutant(
         "worker starts a continuation's index at 0",
         "core/worker.py",
-        "        prefix = list(offer.request.output_prefix)\n",
+        "        prefix = list(request.output_prefix)\n",
         "        prefix: list[int] = []\n",
     ),
     Mutant(
@@ -199,8 +212,9 @@ MUTANTS = (
     Mutant(
         "worker lets a decoder that skipped an index go on",
         "core/worker.py",
+        '            self._fenced["gap"] += 1\n'
         '            self._end(assignment, "failed", E.DECODER_SKIPPED, out)\n',
-        "",
+        '            self._fenced["gap"] += 1\n',
     ),
     Mutant(
         "batching forgets the decodes' share of a step",

@@ -14,6 +14,12 @@ controller draws one for every request that comes without (the one place
 seeds are drawn), so that every attempt of a request draws alike; the engine
 refuses a sampled request without one.
 
+Log probabilities, for rows whose request asks (logprobs k): the
+log-softmax of the distribution the token is drawn from, before top_p
+truncation: logits / temperature (temperature 1 for greedy rows), with the
+tokens a grammar forbids at -inf; the chosen token's value and the k largest,
+for all asking rows at once (logprob_records).
+
 What happens to a chosen token (its index, the stop rule, an already-ended
 continuation) is core/decoding.py's Generation, shared with the fake decoders.
 
@@ -53,6 +59,7 @@ from core.protocol import (
     DecoderEvent,
     DecoderFailed,
     GenerationRequest,
+    TokenLogprob,
 )
 
 _MASK63 = (1 << 63) - 1
@@ -350,9 +357,11 @@ class Engine:
         for seq, position in zip(seqs, where, strict=True):
             if (position + 1) % self.blocks.block_size == 0:  # it filled a block
                 self.blocks.commit(seq.key, seq.written(position + 1))
-        picks = sample_rows(logits, [seq.draw() for seq in seqs])
-        for seq, token in zip(seqs, picks, strict=True):
-            self._emit(seq, token, events)
+        draws = [seq.draw() for seq in seqs]
+        picks = sample_rows(logits, draws)
+        records = logprob_records(logits, picks, draws, [seq.request.logprobs for seq in seqs])
+        for seq, token, record in zip(seqs, picks, records, strict=True):
+            self._emit(seq, token, events, record)
 
     def _prefill(self, seq: _Sequence, count: int, events: list[DecoderEvent]) -> None:
         context = seq.context
@@ -362,11 +371,19 @@ class Engine:
         self._computed_tokens += count
         self.blocks.commit(seq.key, context[: seq.prefilled])
         if seq.prefilled == len(context):
-            [token] = sample_rows(logits[None], [seq.draw()])
-            self._emit(seq, token, events)
+            draws = [seq.draw()]
+            [token] = sample_rows(logits[None], draws)
+            [record] = logprob_records(logits[None], [token], draws, [seq.request.logprobs])
+            self._emit(seq, token, events, record)
 
-    def _emit(self, seq: _Sequence, token: int, events: list[DecoderEvent]) -> None:
-        if seq.generation.emit(token, events):
+    def _emit(
+        self,
+        seq: _Sequence,
+        token: int,
+        events: list[DecoderEvent],
+        record: TokenLogprob | None = None,
+    ) -> None:
+        if seq.generation.emit(token, events, record):
             self.stop(seq.assignment)  # its row and blocks are free for the next step
 
     def reset(self) -> list[Assignment]:
@@ -421,6 +438,46 @@ def sample_rows(logits: torch.Tensor, draws: list[TokenDraw]) -> list[int]:
 
 
 _NUCLEUS_PROBE = 64
+
+
+def logprob_records(
+    logits: torch.Tensor,
+    picks: list[int],
+    draws: list[TokenDraw],
+    tops: list[int | None],
+    allowed: torch.Tensor | None = None,
+) -> list[TokenLogprob | None]:
+    """Each row's logprob record, or None for rows whose request asks for none (top None).
+
+    The distribution reported is the one the row's token is drawn from, before
+    top_p truncation: log_softmax(logits / temperature), temperature 1 for a
+    greedy row. `allowed` ([rows, vocab] bool, None: everything) is where
+    constrained decoding's grammar mask goes: a forbidden token is -inf, so
+    the rest renormalise among themselves, as the draw does. One log_softmax,
+    one topk and one copy to the host for every asking row together.
+    """
+    asking = [row for row, top in enumerate(tops) if top is not None]
+    if not asking:
+        return [None] * len(tops)
+    device = logits.device
+    rows = torch.tensor(asking, device=device)
+    scale = [draws[r].temperature if draws[r].temperature > 0 else 1.0 for r in asking]
+    scores = logits[rows].float() / torch.tensor(scale, device=device)[:, None]
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed[rows], float("-inf"))
+    logprobs = torch.log_softmax(scores, dim=-1).clamp_max_(0.0)
+    chosen = logprobs.gather(1, torch.tensor([[picks[r]] for r in asking], device=device))
+    k = min(max(tops[r] or 0 for r in asking), logprobs.shape[-1])
+    values, ids = torch.topk(logprobs, k, dim=-1)  # most likely first
+    # Ids travel as float32, exact below 2**24 (vocabularies are far smaller).
+    table = torch.cat([chosen, values, ids.float()], dim=1).tolist()
+    records: list[TokenLogprob | None] = [None] * len(tops)
+    for row, line in zip(asking, table, strict=True):
+        top = min(tops[row] or 0, k)
+        values_ids = zip(line[1 : 1 + top], line[1 + k : 1 + k + top], strict=True)
+        pairs = tuple((int(i), v) for v, i in values_ids)
+        records[row] = TokenLogprob(line[0], pairs)
+    return records
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,14 +10,19 @@ which the runtime's FakeDecoder runs) for tests and load runs: a made-up
 vocabulary of whole words and punctuation, a plain-text chat template, and no
 model weights at all; the fake end-of-sequence token decodes to nothing, as a
 real tokenizer skips its special tokens.
+
+token_bytes is a token's own bytes, for log probability entries: a token may
+hold part of a UTF-8 character, which decode cannot show.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any, Protocol
 
 from adapters.engine.model import chat_token_ids
+from adapters.openai.logprobs import byte_level_decoder
 from adapters.openai.normalize import ChatMessage
 from core.fake_model import EOS_TOKEN, VOCAB
 
@@ -33,6 +38,8 @@ class ServedModel(Protocol):
 
     def decode(self, token_ids: list[int]) -> str: ...
 
+    def token_bytes(self, token_id: int) -> bytes: ...
+
 
 class ChatModel:
     def __init__(self, model_id: str, tokenizer: Any, max_context: int) -> None:
@@ -40,6 +47,10 @@ class ChatModel:
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.vocab_size = len(tokenizer)  # with added special tokens
+        self._byte_of = byte_level_decoder()
+        # Byte-level BPE writes a leading space as 'Ġ'; SentencePiece as '▁'.
+        self._byte_level = any("\u0120" in piece for piece in tokenizer.get_vocab())
+        self.token_bytes = lru_cache(maxsize=65536)(self._token_bytes)
 
     def tokenize(self, text: str) -> list[int]:
         # The tokenizer's own special tokens (a BOS where the model wants one), as
@@ -52,6 +63,22 @@ class ChatModel:
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        """The vocabulary entry's bytes. Byte-level BPE: one character per byte.
+        SentencePiece: '▁' is a space and `<0xNN>` a byte of its own. Anything else
+        (an added token) is its text as UTF-8."""
+        piece = str(self.tokenizer.convert_ids_to_tokens(token_id))
+        if self._byte_level:
+            if all(c in self._byte_of for c in piece):
+                return bytes(self._byte_of[c] for c in piece)
+            return piece.encode()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode()
 
 
 FAKE_WORDS = (
@@ -78,3 +105,6 @@ class FakeChatModel:
 
     def decode(self, token_ids: list[int]) -> str:
         return "".join(FAKE_WORDS[t % len(FAKE_WORDS)] for t in token_ids if t != EOS_TOKEN)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.decode([token_id]).encode()

@@ -11,9 +11,11 @@ small, tested subset of the OpenAI API (docs/design/http.md has both tables):
   string or a list of text parts); max_completion_tokens (max_tokens is an
   alias; when both are given max_completion_tokens wins); stream and
   stream_options.include_usage; temperature [0, 2]; top_p (0, 1]; stop (a
-  string or up to 4); seed; n (1 to 16 choices).
+  string or up to 4); seed; n (1 to 16 choices); logprobs and top_logprobs
+  (chat: a boolean and 0 to 20; legacy completions: logprobs 0 to 20, not
+  with echo).
 - Known fields whose value asks for something we do not do (tools,
-  logprobs, images, json output, penalties, ...) are refused with 400 and
+  images, json output, penalties, ...) are refused with 400 and
   `param` naming the field. Unknown fields are ignored.
 """
 
@@ -26,7 +28,7 @@ import msgspec
 from msgspec.structs import replace
 
 from adapters.openai.errors import OpenAIError, invalid
-from core.protocol import GenerationRequest, Sampling
+from core.protocol import MAX_TOP_LOGPROBS, GenerationRequest, Sampling
 
 ROLES = frozenset({"system", "developer", "user", "assistant"})
 MAX_STOPS = 4
@@ -64,6 +66,7 @@ class Shared(msgspec.Struct, frozen=True):
     stop: tuple[str, ...]
     budget: int | None  # max tokens asked for; None: not given
     n: int  # choices per prompt
+    logprobs: int | None = None  # alternatives per token; None: no log probabilities
 
 
 class ChatJob(msgspec.Struct, frozen=True):
@@ -112,8 +115,6 @@ _UNSUPPORTED: tuple[Refusal, ...] = (
     ("functions", lambda v: v != [], "functions are not supported"),
     ("function_call", lambda v: v != "none", "function_call is not supported"),
     ("parallel_tool_calls", lambda v: v is not False and v is not True, "must be a boolean"),
-    ("logprobs", lambda v: v is not False, "logprobs are not supported"),
-    ("top_logprobs", lambda v: True, "top_logprobs is not supported"),
     ("audio", lambda v: True, "audio output is not supported"),
     ("modalities", lambda v: v != ["text"], "only the text modality is supported"),
     ("prediction", lambda v: True, "predicted outputs are not supported"),
@@ -127,7 +128,6 @@ _UNSUPPORTED: tuple[Refusal, ...] = (
 _COMPLETION_UNSUPPORTED: tuple[Refusal, ...] = (
     *_SHARED_UNSUPPORTED,
     ("best_of", lambda v: not _is_int(v) or v != 1, "only best_of=1 is supported"),
-    ("logprobs", lambda v: True, "logprobs are not supported"),
     ("suffix", lambda v: v != "", "suffix is not supported"),
 )
 
@@ -142,6 +142,10 @@ def normalize_chat_request(
     if isinstance(shared, OpenAIError):
         return shared
     assert isinstance(body, dict)
+    logprobs = _chat_logprobs(body)
+    if isinstance(logprobs, OpenAIError):
+        return logprobs
+    shared = replace(shared, logprobs=logprobs)
     messages = _messages(body.get("messages"))
     if isinstance(messages, OpenAIError):
         return messages
@@ -167,6 +171,14 @@ def normalize_completion_request(
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         return invalid("'echo' must be a boolean", "echo")
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        if not _is_int(logprobs) or not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            message = f"'logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}"
+            return invalid(message, "logprobs")
+        if echo:  # it would need the log probability of every prompt token
+            return invalid("'echo' together with 'logprobs' is not supported", "echo")
+        shared = replace(shared, logprobs=int(logprobs))
     model = shared.model
     prompts = _prompts(body.get("prompt"), model, lambda text: tokenize(model.id, text))
     if isinstance(prompts, OpenAIError):
@@ -239,7 +251,7 @@ def _choices(
         sampling = shared.sampling
         if sampling.seed is not None:
             sampling = replace(sampling, seed=choice_seed(sampling.seed, i))
-        requests.append(GenerationRequest(rid, prompt, budget, sampling))
+        requests.append(GenerationRequest(rid, prompt, budget, sampling, logprobs=shared.logprobs))
     return tuple(requests)
 
 
@@ -360,6 +372,21 @@ def _content(value: object, where: str) -> str | OpenAIError:
             return invalid(f"'{where}[{i}].text' must be a string", f"{where}[{i}].text")
         texts.append(text)
     return "".join(texts)
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | OpenAIError | None:
+    """Chat's logprobs (a boolean) and top_logprobs (0..20, only with logprobs true)."""
+    asked, top = body.get("logprobs"), body.get("top_logprobs")
+    if asked is not None and not isinstance(asked, bool):
+        return invalid("'logprobs' must be a boolean", "logprobs")
+    if top is not None:
+        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            return invalid(
+                f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}", "top_logprobs"
+            )
+        if not asked:
+            return invalid("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    return (top or 0) if asked else None
 
 
 def _include_usage(value: object, stream: bool) -> bool | OpenAIError:

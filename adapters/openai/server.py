@@ -45,6 +45,7 @@ from adapters.openai.egress import (
     StopMatcher,
 )
 from adapters.openai.errors import OpenAIError, from_outcome, invalid
+from adapters.openai.logprobs import Entry, LogprobEntries, chat_logprobs, completion_logprobs
 from adapters.openai.metrics import Metrics
 from adapters.openai.models import ServedModel
 from adapters.openai.normalize import (
@@ -56,7 +57,14 @@ from adapters.openai.normalize import (
     normalize_completion_request,
 )
 from adapters.runtime.controller import Controller, RequestStream
-from core.protocol import DeliverError, DeliverFinished, DeliverToken, Delivery, GenerationRequest
+from core.protocol import (
+    DeliverError,
+    DeliverFinished,
+    DeliverToken,
+    Delivery,
+    GenerationRequest,
+    TokenLogprob,
+)
 
 log = logging.getLogger("fencepost.http")
 
@@ -84,20 +92,33 @@ def json_response(body: Any, status: int = 200) -> Response:
 
 
 class TextEgress:
-    """Token ids in, client text out: detokenizer, stop strings, and the count."""
+    """Token ids in, client text out: detokenizer, stop strings, the count, and (when
+    asked) the logprob entries that go out with the text (logprobs.py)."""
 
-    def __init__(self, model: ServedModel, stops: tuple[str, ...]) -> None:
+    def __init__(self, model: ServedModel, stops: tuple[str, ...], logprobs: bool = False) -> None:
         self.detokenizer = IncrementalDetokenizer(model.decode)
         self.stop = StopMatcher(stops)
         self.completion_tokens = 0
+        self.logprobs = LogprobEntries(model.token_bytes) if logprobs else None
 
     @property
     def stopped(self) -> bool:
         return self.stop.matched is not None
 
-    def token(self, token_id: int) -> str:
+    def token(self, token_id: int, record: TokenLogprob | None = None) -> str:
         self.completion_tokens += 1
-        return self.stop.feed(self.detokenizer.push(token_id))
+        text = self.detokenizer.push(token_id)
+        if self.logprobs is not None:
+            self.logprobs.add(token_id, record, text)
+        return self.stop.feed(text)
+
+    def entries(self, sent: str, ended: bool) -> tuple[Entry, ...]:
+        """The entries that go out with `sent` (at the end: all there will be)."""
+        if self.logprobs is None:
+            return ()
+        if ended:
+            return tuple(self.logprobs.finish(sent, self.stopped))
+        return tuple(self.logprobs.release(sent))
 
     def finish(self) -> str:
         text = self.stop.feed(self.detokenizer.flush())
@@ -110,6 +131,7 @@ class Step(NamedTuple):
     text: str  # the text it completes (often "" while a character or stop is pending)
     finish_reason: str | None = None  # the answer ends here: "stop" or "length"
     error: OpenAIError | None = None  # the answer ends here with this error
+    entries: tuple[Entry, ...] = ()  # logprob entries of the tokens whose text this begins
 
 
 class Generation:
@@ -131,7 +153,9 @@ class Generation:
         self.index = index
         self.began = trio.current_time()
         self.last_token_at: float | None = None
-        self.egress = TextEgress(model, stop)
+        self.asks_logprobs = stream.request.logprobs is not None
+        self.egress = TextEgress(model, stop, self.asks_logprobs)
+        self.entries: list[Entry] = []  # every entry released so far, in order
         self.outcome_recorded = False
         self.finish_reason: str | None = None
         self.error: OpenAIError | None = None
@@ -140,7 +164,7 @@ class Generation:
     def prompt_tokens(self) -> int:
         return len(self.stream.request.prompt_token_ids)
 
-    def on_token(self, token_id: int) -> str:
+    def on_token(self, token_id: int, record: TokenLogprob | None) -> str:
         now = trio.current_time()
         metrics = self.app.metrics
         if self.last_token_at is None:
@@ -149,7 +173,7 @@ class Generation:
             metrics.inter_token.observe(now - self.last_token_at)
         self.last_token_at = now
         metrics.completion_tokens.inc()
-        return self.egress.token(token_id)
+        return self.egress.token(token_id, record)
 
     def apply(self, item: Delivery) -> Step:
         """One delivery in, what the client gets; records the outcome when it ends.
@@ -159,17 +183,25 @@ class Generation:
         """
         egress = self.egress
         match item:
-            case DeliverToken(token_id=token_id):
-                text = self.on_token(token_id)
-                return self._ended(Step(text, "stop")) if egress.stopped else Step(text)
+            case DeliverToken(token_id=token_id, logprob=record):
+                text = self.on_token(token_id, record)
+                if egress.stopped:
+                    return self._ended(Step(text, "stop", entries=self._released(text, True)))
+                return Step(text, entries=self._released(text, False))
             case DeliverFinished(reason=reason):
                 text = egress.finish()
-                return self._ended(Step(text, "stop" if egress.stopped else FINISH_REASONS[reason]))
+                finish_reason = "stop" if egress.stopped else FINISH_REASONS[reason]
+                return self._ended(Step(text, finish_reason, entries=self._released(text, True)))
             case DeliverError(kind=kind, message=message):
                 self.record(f"error_{kind}")
                 self.error = from_outcome(kind, message)
                 return Step("", error=self.error)
         raise AssertionError(f"not a delivery: {item!r}")
+
+    def _released(self, text: str, ended: bool) -> tuple[Entry, ...]:
+        entries = self.egress.entries(text, ended)
+        self.entries += entries
+        return entries
 
     def _ended(self, step: Step) -> Step:
         assert step.finish_reason is not None
@@ -246,7 +278,8 @@ class Answer:
     def opening(self, queue: ClientQueue) -> None:
         """What a stream sends before any generated text."""
 
-    def delta_chunk(self, text: str, index: int) -> bytes:
+    def delta_chunk(self, text: str, index: int, entries: Sequence[Entry] = ()) -> bytes:
+        """A chunk of one choice's text, with the logprob entries that go out with it."""
         raise NotImplementedError
 
     def finish_chunk(self, index: int, finish_reason: str) -> bytes:
@@ -260,17 +293,24 @@ class Answer:
 class ChatAnswer(Answer):
     chunk_object = "chat.completion.chunk"
 
-    def _chunk(self, index: int, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+    def _chunk(
+        self,
+        index: int,
+        delta: dict[str, Any],
+        finish_reason: str | None = None,
+        entries: Sequence[Entry] = (),
+    ) -> bytes:
+        logprobs = chat_logprobs(entries) if entries else None
         return self.frame(
-            {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         )
 
     def opening(self, queue: ClientQueue) -> None:
         for generation in self.generations:  # each choice opens with the role
             queue.put_frame(self._chunk(generation.index, {"role": "assistant", "content": ""}))
 
-    def delta_chunk(self, text: str, index: int) -> bytes:
-        return self._chunk(index, {"content": text})
+    def delta_chunk(self, text: str, index: int, entries: Sequence[Entry] = ()) -> bytes:
+        return self._chunk(index, {"content": text}, entries=entries)
 
     def finish_chunk(self, index: int, finish_reason: str) -> bytes:
         return self._chunk(index, {}, finish_reason)
@@ -280,7 +320,7 @@ class ChatAnswer(Answer):
             {
                 "index": generation.index,
                 "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": None,
+                "logprobs": chat_logprobs(generation.entries) if generation.asks_logprobs else None,
                 "finish_reason": generation.finish_reason,
             }
             for generation, text in zip(self.generations, texts, strict=True)
@@ -305,23 +345,35 @@ class CompletionAnswer(Answer):
         super().__init__(answer_id, model, include_usage, generations, n)
         self.echoes = echoes  # per choice: the prompt text to put first ("" without echo)
 
-    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}
+    def _choice(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def opening(self, queue: ClientQueue) -> None:
         for index, echo in enumerate(self.echoes):
             if echo:
                 queue.put_delta(echo, index)
 
-    def delta_chunk(self, text: str, index: int) -> bytes:
-        return self.frame(self._choice(index, text, None))
+    def delta_chunk(self, text: str, index: int, entries: Sequence[Entry] = ()) -> bytes:
+        logprobs = completion_logprobs(entries, len(self.echoes[index])) if entries else None
+        return self.frame(self._choice(index, text, None, logprobs))
 
     def finish_chunk(self, index: int, finish_reason: str) -> bytes:
         return self.frame(self._choice(index, "", finish_reason))
 
     def body(self, texts: list[str]) -> dict[str, Any]:
         choices = [
-            self._choice(g.index, echo + text, g.finish_reason)
+            self._choice(
+                g.index,
+                echo + text,
+                g.finish_reason,
+                completion_logprobs(g.entries, len(echo)) if g.asks_logprobs else None,
+            )
             for g, echo, text in zip(self.generations, self.echoes, texts, strict=True)
         ]
         return self.result("text_completion", choices)
@@ -619,7 +671,9 @@ class FencepostApp:
                 if siblings.cancel_called:  # a sibling failed: nothing more goes out
                     return
                 step = generation.apply(item)
-                if step.text:
+                if step.entries:  # a frame of its own: entries do not merge like text
+                    queue.put_frame(answer.delta_chunk(step.text, generation.index, step.entries))
+                elif step.text:
                     queue.put_delta(step.text, generation.index)
                 if step.error is not None:
                     body = msgspec.json.encode(step.error.body())
