@@ -11,9 +11,10 @@ small, tested subset of the OpenAI API (docs/design/http.md has both tables):
   string or a list of text parts); max_completion_tokens (max_tokens is an
   alias; when both are given max_completion_tokens wins); stream and
   stream_options.include_usage; temperature [0, 2]; top_p (0, 1]; stop (a
-  string or up to 4); seed; n (1 to 16 choices).
+  string or up to 4); seed; n (1 to 16 choices); response_format (text,
+  json_object, json_schema: adapters/openai/structured.py), on both endpoints.
 - Known fields whose value asks for something we do not do (tools,
-  logprobs, images, json output, penalties, ...) are refused with 400 and
+  logprobs, images, penalties, ...) are refused with 400 and
   `param` naming the field. Unknown fields are ignored.
 """
 
@@ -26,7 +27,8 @@ import msgspec
 from msgspec.structs import replace
 
 from adapters.openai.errors import OpenAIError, invalid
-from core.protocol import GenerationRequest, Sampling
+from adapters.openai.structured import response_format
+from core.protocol import Constraint, GenerationRequest, Sampling
 
 ROLES = frozenset({"system", "developer", "user", "assistant"})
 MAX_STOPS = 4
@@ -40,6 +42,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     id: str
     max_context: int
     vocab_size: int
+    constrains: bool = True  # its decoders can enforce a grammar (the fake model's cannot)
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -64,6 +67,7 @@ class Shared(msgspec.Struct, frozen=True):
     stop: tuple[str, ...]
     budget: int | None  # max tokens asked for; None: not given
     n: int  # choices per prompt
+    constraint: Constraint | None = None  # what response_format asks the output to be
 
 
 class ChatJob(msgspec.Struct, frozen=True):
@@ -118,11 +122,6 @@ _UNSUPPORTED: tuple[Refusal, ...] = (
     ("modalities", lambda v: v != ["text"], "only the text modality is supported"),
     ("prediction", lambda v: True, "predicted outputs are not supported"),
     ("web_search_options", lambda v: True, "web search is not supported"),
-    (
-        "response_format",
-        lambda v: not (isinstance(v, dict) and v.get("type") == "text"),
-        "only response_format {'type': 'text'} is supported",
-    ),
 )
 _COMPLETION_UNSUPPORTED: tuple[Refusal, ...] = (
     *_SHARED_UNSUPPORTED,
@@ -212,6 +211,9 @@ def _shared(
     budget = _max_tokens(body)
     if isinstance(budget, OpenAIError):
         return budget
+    constraint = response_format(body.get("response_format"))
+    if isinstance(constraint, OpenAIError):
+        return constraint
     model = resolve_model(model_name)
     if model is None:
         return OpenAIError(
@@ -221,7 +223,12 @@ def _shared(
             "model",
             "model_not_found",
         )
-    return Shared(model, bool(stream), include_usage, sampling, stop, budget, n or 1)
+    if constraint is not None and not model.constrains:
+        return invalid(
+            f"'response_format': the model '{model.id}' cannot constrain its output",
+            "response_format",
+        )
+    return Shared(model, bool(stream), include_usage, sampling, stop, budget, n or 1, constraint)
 
 
 def _choices(
@@ -239,7 +246,9 @@ def _choices(
         sampling = shared.sampling
         if sampling.seed is not None:
             sampling = replace(sampling, seed=choice_seed(sampling.seed, i))
-        requests.append(GenerationRequest(rid, prompt, budget, sampling))
+        requests.append(
+            GenerationRequest(rid, prompt, budget, sampling, constraint=shared.constraint)
+        )
     return tuple(requests)
 
 
