@@ -72,10 +72,12 @@ def byte_tokenizer() -> Any:
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(ByteTokens()))
 
 
-def engine(model: LlamaForCausalLM, tokenizer: Any) -> Engine:
+def engine(model: LlamaForCausalLM, tokenizer: Any, kv_cache_tokens: int = 4096) -> Engine:
     limits = BatchLimits(max_seqs=4, max_context=256, max_step_tokens=16, max_prefill_tokens=5)
     loaded = LoadedModel(model, None, "tiny", frozenset({EOS}), 256, "built in the test")
-    return Engine(loaded, limits, grammar_tokenizer=tokenizer)
+    return Engine(
+        loaded, limits, grammar_tokenizer=tokenizer, kv_cache_tokens=kv_cache_tokens, block_size=8
+    )
 
 
 def constrained(rid: str, prompt: tuple[int, ...], **fields: Any) -> GenerationRequest:
@@ -107,6 +109,19 @@ def test_constrained_output_is_the_same_alone_and_in_a_batch(
     together = run(engine(tiny, byte_tokenizer), [*crowd, constrained("x", PROMPTS[2])])
     assert together["x"] == alone
     json.loads(text(together["c"]))  # a sampled constrained row is valid JSON too
+
+
+def test_preempted_constrained_sequences_go_on_unchanged(
+    tiny: LlamaForCausalLM, byte_tokenizer: Any
+) -> None:
+    requests = [constrained(f"p{i}", PROMPTS[i % 3], sampling=Sampling(0.9, 1.0, i))
+                for i in range(4)]  # fmt: skip
+    roomy = run(engine(tiny, byte_tokenizer), requests)
+    tight = engine(tiny, byte_tokenizer, kv_cache_tokens=14 * 8)  # one row needs up to 13
+    assert run(tight, requests) == roomy
+    assert tight.preemptions > 0
+    for out in roomy.values():
+        json.loads(text(out))
 
 
 def test_seeded_constrained_sampling_reproduces(
