@@ -134,12 +134,14 @@ def test_seeded_constrained_sampling_reproduces(
 
 
 @pytest.mark.parametrize("k", [1, 5, 9])
+@pytest.mark.parametrize("sampling", [Sampling(0.0), Sampling(1.0, 0.9, 77)])
 def test_a_continuation_goes_on_as_the_undisturbed_run(
-    tiny: LlamaForCausalLM, byte_tokenizer: Any, k: int
+    tiny: LlamaForCausalLM, byte_tokenizer: Any, k: int, sampling: Sampling
 ) -> None:
-    whole = run(engine(tiny, byte_tokenizer), [constrained("w", PROMPTS[0])])["w"]
+    whole = run(engine(tiny, byte_tokenizer), [constrained("w", PROMPTS[0], sampling=sampling)])
+    whole = whole["w"]
     prefix = tuple(t for t in whole[:k] if isinstance(t, int))
-    resumed = constrained("w", PROMPTS[0], output_prefix=prefix)
+    resumed = constrained("w", PROMPTS[0], output_prefix=prefix, sampling=sampling)
     assert [*prefix, *run(engine(tiny, byte_tokenizer), [resumed])["w"]] == whole
 
 
