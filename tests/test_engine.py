@@ -18,6 +18,7 @@ from adapters.engine.engine import (
     sample_rows,
     token_seed,
 )
+from adapters.engine.grammar import forbidden_penalty
 from adapters.engine.llama import LlamaRunner, UnsupportedModel
 from adapters.engine.model import LoadedModel
 from adapters.engine.weights import FORMATS, activation_dtype, projection
@@ -478,10 +479,11 @@ def test_logprob_records_are_the_log_softmax_of_each_rows_draw() -> None:
 
 def test_a_grammar_mask_renormalises_the_reported_distribution() -> None:
     logits = torch.randn(1, VOCAB)
-    allowed = torch.zeros(1, VOCAB, dtype=torch.bool)
-    allowed[0, [3, 5, 8]] = True
+    bitmask = torch.zeros(1, (VOCAB + 31) // 32, dtype=torch.int32)
+    bitmask[0, 0] = (1 << 3) | (1 << 5) | (1 << 8)  # tokens 3, 5 and 8 allowed
+    masked = logits + forbidden_penalty(bitmask, VOCAB, torch.float32)
     draws = [TokenDraw(0.0, 1.0, 0, 0)]
-    [record] = logprob_records(logits, [5], draws, [4], allowed)
+    [record] = logprob_records(masked, [5], draws, [4])
     assert record is not None
     assert {t for t, _ in record.top[:3]} == {3, 5, 8}
     assert record.top[3][1] == float("-inf")  # a forbidden token: no probability at all

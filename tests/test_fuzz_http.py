@@ -7,7 +7,8 @@ fields, bytes that are not JSON. Each goes to a real server on 127.0.0.1
 (fake model): /v1/chat/completions, and /v1/completions with its own fields
 (prompts as text, token ids in and out of the vocabulary, lists of them past
 the batch limit; echo, suffix, best_of; n, up to 16 choices for each of up to
-16 prompts). The default run sends
+16 prompts; response_format on both, with drawn JSON Schemas that reach the
+grammar engine's validation). The default run sends
 FENCEPOST_FUZZ_EXAMPLES (2,000) cases to chat and half as many to completions;
 set it higher for a longer run (README).
 """
@@ -61,6 +62,35 @@ message = st.fixed_dictionaries(
     optional={"role": roles | json_values, "content": content, "name": json_values,
               "tool_calls": json_values},
 )  # fmt: skip
+# JSON Schemas: mostly real keywords, with sensible and nonsense values, nested.
+schema_keywords = st.sampled_from(
+    ["type", "properties", "required", "items", "enum", "const", "anyOf", "oneOf", "allOf",
+     "not", "$ref", "$defs", "pattern", "format", "minimum", "maxLength", "minItems",
+     "additionalProperties", "uniqueItems", "prefixItems", "if", "x-guidance"]
+)  # fmt: skip
+schema_values = st.sampled_from(
+    ["object", "string", "integer", "array", "null", "nope", "#/$defs/a", "#", "(", "^a+$",
+     "date-time", -1, 0, 3, True, False, None, [], ["a"]]
+)  # fmt: skip
+schemas = st.recursive(
+    st.dictionaries(schema_keywords, schema_values | json_values, max_size=3),
+    lambda inner: st.dictionaries(
+        schema_keywords, inner | st.lists(inner, max_size=3) | schema_values, max_size=4
+    )
+    | st.fixed_dictionaries({"type": st.just("object"), "properties": st.dictionaries(
+        st.text(max_size=5), inner, max_size=3)}),
+    max_leaves=12,
+)  # fmt: skip
+spec_fields = {
+    "name": st.sampled_from(["person", "a-b_1", "", "has space", "x" * 65]) | json_values,
+    "schema": schemas | json_values,
+    "strict": st.booleans() | json_values,
+    "description": odd_text | json_values,
+}
+json_schema_specs = st.fixed_dictionaries(  # mostly well-formed, so schemas reach validation
+    {"name": st.just("person"), "schema": schemas},
+    optional={"strict": st.booleans(), "description": st.text(max_size=20)},
+) | st.fixed_dictionaries({}, optional=spec_fields)
 # Values on both sides of every documented limit (inclusive edges are accepted).
 EDGES: dict[str, st.SearchStrategy[Any]] = {
     "temperature": st.sampled_from([0, 0.0, -0.0, 2, 2.0, 2.000001, -1e-9, 1e-300]),
@@ -69,7 +99,8 @@ EDGES: dict[str, st.SearchStrategy[Any]] = {
         [["a", "b", "c", "d"], ["a", "b", "c", "d", "e"], "x" * 256, "x" * 257, "", [], [""]]
     ),
     "seed": st.sampled_from([-(2**63), -(2**63) - 1, 2**63 - 1, 2**63, 0]),
-    "response_format": st.sampled_from([{}, {"type": "text"}, {"type": "json_object"}, None]),
+    "response_format": st.sampled_from([{}, {"type": "text"}, {"type": "json_object"}, None])
+    | st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": json_schema_specs}),
     # around the context: the prompt takes a few dozen tokens of CONTEXT
     "max_tokens": st.integers(CONTEXT - 60, CONTEXT + 1) | st.sampled_from([0, 1, CONTEXT]),
 }
@@ -101,7 +132,7 @@ token_ids = st.integers(-2, 60) | st.sampled_from([VOCAB - 1, VOCAB, 2**63, True
 COMPLETION_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     k: v
     for k, v in FIELDS.items()
-    if k not in ("messages", "max_completion_tokens", "tools", "tool_choice", "response_format")
+    if k not in ("messages", "max_completion_tokens", "tools", "tool_choice")
 } | {
     "prompt": odd_text
     | st.lists(odd_text, max_size=18)

@@ -9,8 +9,10 @@ into the module's own arguments.
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from adapters.cli import add_kv_cache_arguments, add_weights_argument, positive
 from core.protocol import MAX_TOP_LOGPROBS
@@ -199,11 +201,24 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         "--logprobs", type=int, choices=range(MAX_TOP_LOGPROBS + 1), default=None, metavar="K",
         help="also measure each concurrency without and with logprobs (top K), side by side",
     )  # fmt: skip
+    parser.add_argument(
+        "--constrained", action="store_true",
+        help="also compare tokens/s of JSON streams free and constrained to a typical schema",
+    )  # fmt: skip
+    parser.add_argument(
+        "--json-schema", default=None, metavar="FILE",
+        help="with --constrained: the JSON Schema to constrain to (default: a typical one)",
+    )  # fmt: skip
 
 
 def _engine(args: argparse.Namespace) -> int:
     from adapters.bench import engine
 
+    schema = None
+    if args.json_schema is not None:
+        schema = json.loads(Path(args.json_schema).read_text())
+    elif args.constrained:
+        schema = engine.TYPICAL_SCHEMA
     return engine.main(
         model_path=args.model,
         tokens=args.tokens,
@@ -215,6 +230,7 @@ def _engine(args: argparse.Namespace) -> int:
         shared_prefix=args.shared_prefix,
         block_size=args.block_size,
         logprobs=args.logprobs,
+        schema=schema,
     )
 
 

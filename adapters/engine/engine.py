@@ -33,6 +33,13 @@ preempted by recompute: its blocks go back, and it waits at the head of the
 queue with its context = prompt + output so far, its Generation intact, so it
 goes on at the next index (mostly from the cache, where its blocks survive).
 Every full block written, prompt or output, is committed to the cache.
+
+Constrained decoding (adapters/engine/grammar.py): a request with a Constraint
+gets a matcher at start (a continuation's matcher replays its output prefix);
+each step computes the constrained rows' masks in one batched call on the
+grammar thread while the forward pass runs, applies them to the logits before
+sampling, and feeds each emitted token to its matcher. A grammar that fails to
+compile, or a prefix or token it rejects, fails that request alone.
 """
 
 from __future__ import annotations
@@ -42,11 +49,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
+from llguidance import LLMatcher
 
 from adapters.engine.choose import choose
+from adapters.engine.grammar import FORBIDDEN, GrammarError, Grammars, tokenizer_for
 from adapters.engine.llama import DEFAULT_BLOCK_SIZE, LlamaRunner
 from adapters.engine.model import LoadedModel, say
 from core.batching import BatchLimits, Running, plan_step
@@ -98,6 +107,7 @@ class _Sequence:
     context: tuple[int, ...]  # what prefill puts in the cache: prompt + output so far
     prefilled: int = 0  # context tokens in the cache (found cached or computed)
     chain: list[int] | None = None  # the context's chain keys, once asked for
+    matcher: LLMatcher | None = None  # the grammar's state past the output (constrained only)
 
     @property
     def assignment(self) -> Assignment:
@@ -138,7 +148,10 @@ class Engine:
     capability, quality and speed at start (adapters/engine/choose.py, logged).
 
     kv_cache_tokens: positions the KV pool holds, all sequences together (blocks
-    of block_size); prefix_caching: share committed blocks between sequences."""
+    of block_size); prefix_caching: share committed blocks between sequences.
+
+    grammar_tokenizer: llguidance's tokenizer for constrained decoding; by default
+    built from the model's tokenizer at the first constrained request (~1 s)."""
 
     def __init__(
         self,
@@ -149,6 +162,7 @@ class Engine:
         prefix_caching: bool = True,
         kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        grammar_tokenizer: Any = None,
     ) -> None:
         limits = limits or BatchLimits(max_context=min(2048, loaded.max_context))
         if limits.max_context > loaded.max_context:
@@ -177,6 +191,7 @@ class Engine:
         self._prefill_rate = 0.0  # tokens/s, moving average over steps that prefilled
         self._report = CacheReport(block_size)
         self._keys_at = -KEYS_EVERY_S  # when the report's keys were last listed
+        self._grammars = None if grammar_tokenizer is None else Grammars(grammar_tokenizer)
 
     # --- commands ---
 
@@ -198,6 +213,8 @@ class Engine:
         if ended is not None:  # nothing to add; say so in the next step
             self._ended.append(ended)
             return
+        if request.constraint is not None:  # GrammarError is a ValueError: this request fails
+            seq.matcher = self.grammars().matcher(request.constraint.grammar, request.output_prefix)
         self._waiting[seq.key] = seq
         self._by_assignment[assignment] = seq.key
 
@@ -216,6 +233,16 @@ class Engine:
     @property
     def active(self) -> int:
         return len(self._running)
+
+    def grammars(self) -> Grammars:
+        """The compiled grammars of this engine's model (built at first use)."""
+        if self._grammars is None:
+            tokenizer = self.loaded.tokenizer
+            if tokenizer is None:
+                raise GrammarError(f"{self.loaded.name} has no tokenizer to constrain with")
+            eos = self.loaded.eos_token_ids
+            self._grammars = Grammars(tokenizer_for(tokenizer, self.runner.vocab_size, eos))
+        return self._grammars
 
     def cache_report(self) -> CacheReport:
         """The prefix cache as of the last step (a snapshot: safe from any thread)."""
@@ -353,10 +380,18 @@ class Engine:
         pages = self.runner.pages([self.blocks.table(seq.key) for seq in seqs], max(where) + 1)
         positions = torch.tensor(where, device=device)
         tokens = torch.tensor([s.generation.output[-1] for s in seqs], device=device)
+        matchers = {row: seq.matcher for row, seq in enumerate(seqs) if seq.matcher is not None}
+        constrained = list(matchers)
+        masks = None  # computed on the grammar thread during the forward pass
+        if matchers:
+            masks = self.grammars().penalties(list(matchers.values()), self.runner.vocab_size)
         logits = self.runner.decode(pages, positions, tokens)
         for seq, position in zip(seqs, where, strict=True):
             if (position + 1) % self.blocks.block_size == 0:  # it filled a block
                 self.blocks.commit(seq.key, seq.written(position + 1))
+        if masks is not None:
+            logits = self.grammars().apply(logits, constrained, masks)
+        # From here on the logits are masked: the distribution drawn from and reported.
         draws = [seq.draw() for seq in seqs]
         picks = sample_rows(logits, draws)
         records = logprob_records(logits, picks, draws, [seq.request.logprobs for seq in seqs])
@@ -371,9 +406,12 @@ class Engine:
         self._computed_tokens += count
         self.blocks.commit(seq.key, context[: seq.prefilled])
         if seq.prefilled == len(context):
+            logits = logits[None]
+            if seq.matcher is not None:  # the first token: its mask is computed here
+                logits = self.grammars().mask(logits, [0], [seq.matcher])
             draws = [seq.draw()]
-            [token] = sample_rows(logits[None], draws)
-            [record] = logprob_records(logits[None], [token], draws, [seq.request.logprobs])
+            [token] = sample_rows(logits, draws)
+            [record] = logprob_records(logits, [token], draws, [seq.request.logprobs])
             self._emit(seq, token, events, record)
 
     def _emit(
@@ -383,7 +421,12 @@ class Engine:
         events: list[DecoderEvent],
         record: TokenLogprob | None = None,
     ) -> None:
-        if seq.generation.emit(token, events, record):
+        ended = seq.generation.emit(token, events, record)
+        if not ended and seq.matcher is not None and not seq.matcher.consume_token(token):
+            # The mask allowed it, so only a broken grammar state gets here: this request fails.
+            events.append(DecodeDone(seq.assignment, "failed"))
+            ended = True
+        if ended:
             self.stop(seq.assignment)  # its row and blocks are free for the next step
 
     def reset(self) -> list[Assignment]:
@@ -445,15 +488,14 @@ def logprob_records(
     picks: list[int],
     draws: list[TokenDraw],
     tops: list[int | None],
-    allowed: torch.Tensor | None = None,
 ) -> list[TokenLogprob | None]:
     """Each row's logprob record, or None for rows whose request asks for none (top None).
 
     The distribution reported is the one the row's token is drawn from, before
     top_p truncation: log_softmax(logits / temperature), temperature 1 for a
-    greedy row. `allowed` ([rows, vocab] bool, None: everything) is where
-    constrained decoding's grammar mask goes: a forbidden token is -inf, so
-    the rest renormalise among themselves, as the draw does. One log_softmax,
+    greedy row. A token a grammar forbids (its logit pushed below FORBIDDEN, see
+    grammar.py) is -inf, so the rest renormalise among themselves, as the draw
+    does. One log_softmax,
     one topk and one copy to the host for every asking row together.
     """
     asking = [row for row, top in enumerate(tops) if top is not None]
@@ -463,8 +505,7 @@ def logprob_records(
     rows = torch.tensor(asking, device=device)
     scale = [draws[r].temperature if draws[r].temperature > 0 else 1.0 for r in asking]
     scores = logits[rows].float() / torch.tensor(scale, device=device)[:, None]
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed[rows], float("-inf"))
+    scores = scores.masked_fill(logits[rows] <= FORBIDDEN, float("-inf"))
     logprobs = torch.log_softmax(scores, dim=-1).clamp_max_(0.0)
     chosen = logprobs.gather(1, torch.tensor([[picks[r]] for r in asking], device=device))
     k = min(max(tops[r] or 0 for r in asking), logprobs.shape[-1])

@@ -9,7 +9,8 @@ with). FakeChatModel is the text side of core's fake model (core/fake_model.py,
 which the runtime's FakeDecoder runs) for tests and load runs: a made-up
 vocabulary of whole words and punctuation, a plain-text chat template, and no
 model weights at all; the fake end-of-sequence token decodes to nothing, as a
-real tokenizer skips its special tokens.
+real tokenizer skips its special tokens. Its vocabulary cannot spell JSON, so
+it does not constrain: a response_format asking for JSON gets a 400 from it.
 
 token_bytes is a token's own bytes, for log probability entries: a token may
 hold part of a UTF-8 character, which decode cannot show.
@@ -31,6 +32,7 @@ class ServedModel(Protocol):
     id: str
     max_context: int
     vocab_size: int  # token ids are 0..vocab_size-1
+    constrains: bool  # its decoders enforce a request's grammar (response_format)
 
     def tokenize(self, text: str) -> list[int]: ...
 
@@ -51,6 +53,7 @@ class ChatModel:
         # Byte-level BPE writes a leading space as 'Ġ'; SentencePiece as '▁'.
         self._byte_level = any("\u0120" in piece for piece in tokenizer.get_vocab())
         self.token_bytes = lru_cache(maxsize=65536)(self._token_bytes)
+        self.constrains = True  # the engine builds its grammar tokenizer from this one
 
     def tokenize(self, text: str) -> list[int]:
         # The tokenizer's own special tokens (a BOS where the model wants one), as
@@ -95,6 +98,9 @@ class FakeChatModel:
         self.id = model_id
         self.max_context = max_context
         self.vocab_size = VOCAB
+        # Its words hold no JSON punctuation, so it could not honour a grammar: a
+        # response_format that needs one is refused (400) rather than ignored.
+        self.constrains = False
 
     def tokenize(self, text: str) -> list[int]:
         return [1 + (ord(c) % 30_000) for c in text]  # one per character, within VOCAB

@@ -13,9 +13,10 @@ small, tested subset of the OpenAI API (docs/design/http.md has both tables):
   stream_options.include_usage; temperature [0, 2]; top_p (0, 1]; stop (a
   string or up to 4); seed; n (1 to 16 choices); logprobs and top_logprobs
   (chat: a boolean and 0 to 20; legacy completions: logprobs 0 to 20, not
-  with echo).
+  with echo); response_format (text, json_object, json_schema:
+  adapters/openai/structured.py), on both endpoints.
 - Known fields whose value asks for something we do not do (tools,
-  images, json output, penalties, ...) are refused with 400 and
+  images, penalties, ...) are refused with 400 and
   `param` naming the field. Unknown fields are ignored.
 """
 
@@ -28,7 +29,8 @@ import msgspec
 from msgspec.structs import replace
 
 from adapters.openai.errors import OpenAIError, invalid
-from core.protocol import MAX_TOP_LOGPROBS, GenerationRequest, Sampling
+from adapters.openai.structured import response_format
+from core.protocol import MAX_TOP_LOGPROBS, Constraint, GenerationRequest, Sampling
 
 ROLES = frozenset({"system", "developer", "user", "assistant"})
 MAX_STOPS = 4
@@ -42,6 +44,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     id: str
     max_context: int
     vocab_size: int
+    constrains: bool = True  # its decoders can enforce a grammar (the fake model's cannot)
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -67,6 +70,7 @@ class Shared(msgspec.Struct, frozen=True):
     budget: int | None  # max tokens asked for; None: not given
     n: int  # choices per prompt
     logprobs: int | None = None  # alternatives per token; None: no log probabilities
+    constraint: Constraint | None = None  # what response_format asks the output to be
 
 
 class ChatJob(msgspec.Struct, frozen=True):
@@ -119,11 +123,6 @@ _UNSUPPORTED: tuple[Refusal, ...] = (
     ("modalities", lambda v: v != ["text"], "only the text modality is supported"),
     ("prediction", lambda v: True, "predicted outputs are not supported"),
     ("web_search_options", lambda v: True, "web search is not supported"),
-    (
-        "response_format",
-        lambda v: not (isinstance(v, dict) and v.get("type") == "text"),
-        "only response_format {'type': 'text'} is supported",
-    ),
 )
 _COMPLETION_UNSUPPORTED: tuple[Refusal, ...] = (
     *_SHARED_UNSUPPORTED,
@@ -224,6 +223,9 @@ def _shared(
     budget = _max_tokens(body)
     if isinstance(budget, OpenAIError):
         return budget
+    constraint = response_format(body.get("response_format"))
+    if isinstance(constraint, OpenAIError):
+        return constraint
     model = resolve_model(model_name)
     if model is None:
         return OpenAIError(
@@ -233,7 +235,14 @@ def _shared(
             "model",
             "model_not_found",
         )
-    return Shared(model, bool(stream), include_usage, sampling, stop, budget, n or 1)
+    if constraint is not None and not model.constrains:
+        return invalid(
+            f"'response_format': the model '{model.id}' cannot constrain its output",
+            "response_format",
+        )
+    return Shared(
+        model, bool(stream), include_usage, sampling, stop, budget, n or 1, constraint=constraint
+    )
 
 
 def _choices(
@@ -251,7 +260,16 @@ def _choices(
         sampling = shared.sampling
         if sampling.seed is not None:
             sampling = replace(sampling, seed=choice_seed(sampling.seed, i))
-        requests.append(GenerationRequest(rid, prompt, budget, sampling, logprobs=shared.logprobs))
+        requests.append(
+            GenerationRequest(
+                rid,
+                prompt,
+                budget,
+                sampling,
+                logprobs=shared.logprobs,
+                constraint=shared.constraint,
+            )
+        )
     return tuple(requests)
 
 

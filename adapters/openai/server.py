@@ -592,7 +592,7 @@ class FencepostApp:
         model = self.models.get(name)
         if model is None:
             return None
-        return ModelInfo(model.id, model.max_context, model.vocab_size)
+        return ModelInfo(model.id, model.max_context, model.vocab_size, model.constrains)
 
     def _tokenize_chat(self, model_id: str, messages: Sequence[ChatMessage]) -> list[int]:
         return self.models[model_id].tokenize_chat(messages)
