@@ -10,17 +10,11 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from adapters.engine.choose import working_formats
-from adapters.engine.engine import (
-    Engine,
-    EngineThread,
-    TokenDraw,
-    logprob_records,
-    sample_rows,
-    token_seed,
-)
+from adapters.engine.engine import Engine, EngineThread, logprob_records, sample_rows
 from adapters.engine.grammar import forbidden_penalty
 from adapters.engine.llama import LlamaRunner, UnsupportedModel
 from adapters.engine.model import LoadedModel
+from adapters.engine.sampling import TokenDraw
 from adapters.engine.weights import FORMATS, activation_dtype, projection
 from core.batching import BatchLimits
 from core.protocol import (
@@ -121,28 +115,6 @@ def test_seeded_sampling_reproduces_whatever_shares_the_batch(tiny: LlamaForCaus
     assert alone == together
     other_seed = GenerationRequest("s", PROMPTS[0], 25, Sampling(1.0, 0.9, 99))
     assert run(engine(tiny), [other_seed])["s"] != alone
-
-
-def test_sampling_draws_depend_only_on_seed_and_index() -> None:
-    torch.manual_seed(1)
-    logits = torch.randn(3, VOCAB)
-    settings = [TokenDraw(0.0, 1.0, 5, 0), TokenDraw(1.0, 0.8, 5, 7), TokenDraw(0.7, 1.0, 6, 2)]
-    first = sample_rows(logits, settings)
-    assert first[0] == int(torch.argmax(logits[0]))
-    assert sample_rows(logits, settings) == first
-    # each row alone, in another position, draws the same token
-    assert sample_rows(logits[1:2], [settings[1]]) == [first[1]]
-    assert sample_rows(logits[[2, 0]], [settings[2], settings[0]]) == [first[2], first[0]]
-    assert token_seed(5, 7) != token_seed(5, 8) != token_seed(6, 7)
-
-
-def test_top_p_keeps_only_the_nucleus() -> None:
-    logits = torch.full((1, VOCAB), -30.0)
-    logits[0, 3], logits[0, 4] = 5.0, 4.0  # ~73% and ~27%; everything else ~0
-    picks = {sample_rows(logits, [TokenDraw(1.0, 0.5, seed, 0)])[0] for seed in range(50)}
-    assert picks == {3}
-    picks = {sample_rows(logits, [TokenDraw(1.0, 0.99, seed, 0)])[0] for seed in range(50)}
-    assert picks == {3, 4}
 
 
 def test_max_tokens_and_eos_stop_with_the_right_reason(tiny: LlamaForCausalLM) -> None:

@@ -36,10 +36,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from adapters.engine.engine import DEFAULT_KV_CACHE_TOKENS, Engine, TokenDraw, logprob_records
+from adapters.engine.engine import DEFAULT_KV_CACHE_TOKENS, Engine, logprob_records
 from adapters.engine.grammar import json_schema_grammar
 from adapters.engine.llama import DEFAULT_BLOCK_SIZE
 from adapters.engine.model import LoadedModel, chat_token_ids, load_model
+from adapters.engine.sampling import TokenDraw
 from core.batching import BatchLimits
 from core.protocol import Assignment, Constraint, Decoded, DecodeDone, GenerationRequest, Sampling
 

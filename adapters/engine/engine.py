@@ -5,8 +5,9 @@ step() runs one scheduling step (core.batching decides who runs) and returns
 the worker machine's input events, Decoded and DecodeDone. EngineThread runs
 steps on a dedicated thread so an event loop never blocks on a forward pass.
 
-Sampling: greedy at temperature 0; otherwise temperature, then top_p, then a
-draw from a torch.Generator seeded by (request seed, token index). Each token's
+Sampling (adapters/engine/sampling.py, batched over the rows): greedy at
+temperature 0; otherwise temperature, then top_p, then an inverse-CDF draw
+with a uniform number hashed from (request seed, token index). Each token's
 randomness depends on nothing else, so a request reproduces whatever shares its
 batch, and a continuation that starts at index k draws exactly what an
 uninterrupted run would. A sampled request must carry its seed: the runtime's
@@ -49,7 +50,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from llguidance import LLMatcher
@@ -58,6 +59,7 @@ from adapters.engine.choose import choose
 from adapters.engine.grammar import FORBIDDEN, GrammarError, Grammars, tokenizer_for
 from adapters.engine.llama import DEFAULT_BLOCK_SIZE, LlamaRunner
 from adapters.engine.model import LoadedModel, say
+from adapters.engine.sampling import TokenDraw, sample, sample_whole
 from core.batching import BatchLimits, Running, plan_step
 from core.blocks import BlockManager, blocks_for, chain_hashes
 from core.decoding import Generation
@@ -71,32 +73,12 @@ from core.protocol import (
     TokenLogprob,
 )
 
-_MASK63 = (1 << 63) - 1
-
 DEFAULT_KV_CACHE_TOKENS = 16 * 2048  # the memory of 16 sequences of 2048 tokens
 REPORTED_KEYS = 256  # chain keys in each CacheReport
 # The keys are listed again at most this often: with a full cache the listing costs
 # ~0.6 ms, 5% of a one-row step, and heartbeats read them only every 0.5 s.
 KEYS_EVERY_S = 0.2
 _RATE_WEIGHT = 0.2  # of the newest measurement in the prefill rate's moving average
-
-
-def token_seed(seed: int, index: int) -> int:
-    """The generator seed for token `index` of a request seeded with `seed` (splitmix64)."""
-    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
-    return (z ^ (z >> 31)) & _MASK63
-
-
-class TokenDraw(NamedTuple):
-    """How to choose one token of one row: temperature 0 is greedy; seed and index fix
-    the random draw."""
-
-    temperature: float
-    top_p: float
-    seed: int
-    token_index: int
 
 
 @dataclass
@@ -438,49 +420,18 @@ class Engine:
 
 
 def sample_rows(logits: torch.Tensor, draws: list[TokenDraw]) -> list[int]:
-    """One token per row of logits [rows, vocab], each chosen as its TokenDraw says.
-
-    Greedy rows take the argmax. Sampled rows use inverse-CDF sampling with one
-    uniform number from a generator seeded by (seed, index), so the same
-    request, seed and index pick the same token from the same distribution,
-    whatever else is in the batch. top_p keeps the smallest set of most likely
-    tokens whose probability reaches top_p: it is looked for among the top 64
-    first (almost always enough) and over the whole vocabulary otherwise, so
-    the result is exact either way.
-    """
-    picks = torch.argmax(logits, dim=-1).tolist()
-    sampled = [row for row, draw in enumerate(draws) if draw.temperature > 0]
-    if not sampled:
-        return [int(p) for p in picks]
-    rows = torch.tensor(sampled, device=logits.device)
-    temperatures = torch.tensor(
-        [draws[r].temperature for r in sampled], device=logits.device, dtype=torch.float32
-    )
-    probs = torch.softmax(logits[rows].float() / temperatures[:, None], dim=-1)
-    top_probs, top_ids = torch.topk(probs, min(_NUCLEUS_PROBE, probs.shape[-1]), dim=-1)
-    top_mass = top_probs.sum(dim=-1).tolist()
-    for i, row in enumerate(sampled):
-        _, top_p, seed, index = draws[row]
-        generator = torch.Generator(device="cpu").manual_seed(token_seed(seed, index))
-        uniform = float(torch.rand(1, generator=generator))
-        if top_p >= 1.0:
-            candidates, ids = probs[i], None
-        elif top_mass[i] >= top_p:
-            candidates, ids = top_probs[i], top_ids[i]
-        else:
-            candidates, ids = torch.sort(probs[i], descending=True)
-        if top_p < 1.0:
-            mass = torch.cumsum(candidates, dim=-1)
-            target = torch.tensor([top_p], device=mass.device, dtype=mass.dtype)
-            candidates = candidates[: int(torch.searchsorted(mass, target)) + 1]
-        cumulative = torch.cumsum(candidates, dim=-1)
-        target = torch.tensor([uniform * float(cumulative[-1])], device=cumulative.device)
-        pick = min(int(torch.searchsorted(cumulative, target)), candidates.shape[-1] - 1)
-        picks[row] = int(ids[pick]) if ids is not None else pick
-    return [int(p) for p in picks]
-
-
-_NUCLEUS_PROBE = 64
+    """One token per row of logits [rows, vocab], each chosen as its TokenDraw says
+    (adapters/engine/sampling.py: batched, the uniform of each draw computed from
+    (seed, index)); one copy to the host, two in the rare step where a row's
+    nucleus is wider than the sampler's probe."""
+    both: list[list[int]] = sample(logits, draws).tolist()
+    picks, short = both
+    redo = [row for row, flag in enumerate(short) if flag]
+    if redo:
+        again = sample_whole(logits[redo], [draws[row] for row in redo]).tolist()
+        for row, token in zip(redo, again, strict=True):
+            picks[row] = token
+    return picks
 
 
 def logprob_records(
