@@ -27,6 +27,12 @@ preempted by recompute: its blocks go back, and it waits at the head of the
 queue with its context = prompt + output so far, its Generation intact, so it
 goes on at the next index (mostly from the cache, where its blocks survive).
 Every full block written, prompt or output, is committed to the cache.
+
+Constrained decoding (adapters/engine/grammar.py): a request with a Constraint
+gets a matcher at start (a continuation's matcher replays its output prefix);
+each step masks the constrained rows' logits in one batched call before
+sampling and feeds each emitted token to its matcher. A grammar that fails to
+compile, or a prefix or token it rejects, fails that request alone.
 """
 
 from __future__ import annotations
@@ -36,11 +42,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from adapters.engine.choose import choose
+from adapters.engine.grammar import GrammarError, Grammars, tokenizer_for
 from adapters.engine.llama import DEFAULT_BLOCK_SIZE, LlamaRunner
 from adapters.engine.model import LoadedModel, say
 from core.batching import BatchLimits, Running, plan_step
@@ -90,6 +97,7 @@ class _Sequence:
     generation: Generation  # the output so far: a continuation starts with its prefix
     context: tuple[int, ...]  # what prefill puts in the cache: prompt + output so far
     prefilled: int = 0  # context tokens in the cache (found cached or computed)
+    matcher: Any = None  # the grammar's state past the output so far (constrained only)
 
     @property
     def assignment(self) -> Assignment:
@@ -130,7 +138,10 @@ class Engine:
     capability, quality and speed at start (adapters/engine/choose.py, logged).
 
     kv_cache_tokens: positions the KV pool holds, all sequences together (blocks
-    of block_size); prefix_caching: share committed blocks between sequences."""
+    of block_size); prefix_caching: share committed blocks between sequences.
+
+    grammar_tokenizer: llguidance's tokenizer for constrained decoding; by default
+    built from the model's tokenizer at the first constrained request (~1 s)."""
 
     def __init__(
         self,
@@ -141,6 +152,7 @@ class Engine:
         prefix_caching: bool = True,
         kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        grammar_tokenizer: Any = None,
     ) -> None:
         limits = limits or BatchLimits(max_context=min(2048, loaded.max_context))
         if limits.max_context > loaded.max_context:
@@ -169,6 +181,7 @@ class Engine:
         self._prefill_rate = 0.0  # tokens/s, moving average over steps that prefilled
         self._report = CacheReport(block_size)
         self._keys_at = -KEYS_EVERY_S  # when the report's keys were last listed
+        self._grammars = None if grammar_tokenizer is None else Grammars(grammar_tokenizer)
 
     # --- commands ---
 
@@ -190,6 +203,8 @@ class Engine:
         if ended is not None:  # nothing to add; say so in the next step
             self._ended.append(ended)
             return
+        if request.constraint is not None:  # GrammarError is a ValueError: this request fails
+            seq.matcher = self.grammars().matcher(request.constraint.grammar, request.output_prefix)
         self._waiting[seq.key] = seq
         self._by_assignment[assignment] = seq.key
 
@@ -208,6 +223,16 @@ class Engine:
     @property
     def active(self) -> int:
         return len(self._running)
+
+    def grammars(self) -> Grammars:
+        """The compiled grammars of this engine's model (built at first use)."""
+        if self._grammars is None:
+            tokenizer = self.loaded.tokenizer
+            if tokenizer is None:
+                raise GrammarError(f"{self.loaded.name} has no tokenizer to constrain with")
+            eos = self.loaded.eos_token_ids
+            self._grammars = Grammars(tokenizer_for(tokenizer, self.runner.vocab_size, eos))
+        return self._grammars
 
     def cache_report(self) -> CacheReport:
         """The prefix cache as of the last step (a snapshot: safe from any thread)."""
@@ -318,6 +343,8 @@ class Engine:
         for seq, position in zip(seqs, where, strict=True):
             if (position + 1) % self.blocks.block_size == 0:  # it filled a block
                 self.blocks.commit(seq.key, seq.written(position + 1))
+        logits = self._constrain(seqs, logits)
+        # Logprobs read `logits` from here on: masked, so they are the distribution drawn from.
         picks = sample_rows(logits, [seq.draw() for seq in seqs])
         for seq, token in zip(seqs, picks, strict=True):
             self._emit(seq, token, events)
@@ -330,11 +357,24 @@ class Engine:
         self._computed_tokens += count
         self.blocks.commit(seq.key, context[: seq.prefilled])
         if seq.prefilled == len(context):
-            [token] = sample_rows(logits[None], [seq.draw()])
+            logits = self._constrain([seq], logits[None])
+            [token] = sample_rows(logits, [seq.draw()])
             self._emit(seq, token, events)
 
+    def _constrain(self, seqs: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """The logits with the rows of requests that carry a grammar masked by it."""
+        rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
+        if not rows:
+            return logits
+        return self.grammars().mask(logits, rows, [seqs[row].matcher for row in rows])
+
     def _emit(self, seq: _Sequence, token: int, events: list[DecoderEvent]) -> None:
-        if seq.generation.emit(token, events):
+        ended = seq.generation.emit(token, events)
+        if not ended and seq.matcher is not None and not seq.matcher.consume_token(token):
+            # The mask allowed it, so only a broken grammar state gets here: this request fails.
+            events.append(DecodeDone(seq.assignment, "failed"))
+            ended = True
+        if ended:
             self.stop(seq.assignment)  # its row and blocks are free for the next step
 
     def reset(self) -> list[Assignment]:

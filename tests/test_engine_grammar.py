@@ -1,0 +1,154 @@
+"""Constrained decoding in the engine, on the tiny random llama with a byte vocabulary.
+
+The tiny model's 97 ids are read as printable ASCII (0..94), eos (95) and a
+newline (96), so any output is text and a grammar can hold it to JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import llguidance
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from adapters.engine.engine import Engine
+from adapters.engine.grammar import GrammarError, json_schema_grammar
+from adapters.engine.model import LoadedModel
+from core.batching import BatchLimits
+from core.protocol import Assignment, Constraint, GenerationRequest, Sampling
+from tests.test_engine import PROMPTS, VOCAB, run
+
+EOS = 95
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 999},
+        "pick": {"enum": ["x", "yy"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["n", "pick", "ok"],
+    "additionalProperties": False,
+}
+GRAMMAR = Constraint(json_schema_grammar(SCHEMA))
+
+
+class ByteTokens:
+    """llguidance's view of the tiny vocabulary."""
+
+    def __init__(self) -> None:
+        self.eos_token_id = EOS
+        self.bos_token_id = None
+        self.special_token_ids = [EOS]
+        self.tokens = [bytes([32 + i]) for i in range(95)] + [b"<eos>", b"\n"]
+
+    def __call__(self, text: str) -> list[int]:
+        return [96 if b == 10 else b - 32 for b in text.encode()]
+
+
+def text(tokens: list[int | str]) -> str:
+    return "".join(chr(t + 32) for t in tokens if isinstance(t, int) and t < EOS)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer() -> Any:
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(ByteTokens()))
+
+
+def engine(model: LlamaForCausalLM, tokenizer: Any) -> Engine:
+    limits = BatchLimits(max_seqs=4, max_context=256, max_step_tokens=16, max_prefill_tokens=5)
+    loaded = LoadedModel(model, None, "tiny", frozenset({EOS}), 256, "built in the test")
+    return Engine(loaded, limits, grammar_tokenizer=tokenizer)
+
+
+def constrained(rid: str, prompt: tuple[int, ...], **fields: Any) -> GenerationRequest:
+    return GenerationRequest(rid, prompt, 80, constraint=GRAMMAR, **fields)
+
+
+def test_greedy_constrained_output_is_valid_json_that_ends_with_eos(
+    tiny: LlamaForCausalLM, byte_tokenizer: Any
+) -> None:
+    out = run(engine(tiny, byte_tokenizer), [constrained("c", PROMPTS[0])])["c"]
+    assert out[-2:] == [EOS, "eos"]
+    answer = json.loads(text(out))
+    assert set(answer) == {"n", "pick", "ok"}
+    assert 0 <= answer["n"] <= 999 and answer["pick"] in ("x", "yy")
+    assert isinstance(answer["ok"], bool)
+    free = run(engine(tiny, byte_tokenizer), [GenerationRequest("f", PROMPTS[0], 20)])["f"]
+    assert free[:5] != out[:5]  # the random model left alone does not write JSON
+
+
+def test_constrained_output_is_the_same_alone_and_in_a_batch(
+    tiny: LlamaForCausalLM, byte_tokenizer: Any
+) -> None:
+    alone = run(engine(tiny, byte_tokenizer), [constrained("x", PROMPTS[2])])["x"]
+    crowd = [
+        constrained("a", PROMPTS[0]),
+        GenerationRequest("b", PROMPTS[1], 30, Sampling(0.9, 0.9, 7)),
+        constrained("c", PROMPTS[1], sampling=Sampling(1.0, 1.0, 3)),
+    ]
+    together = run(engine(tiny, byte_tokenizer), [*crowd, constrained("x", PROMPTS[2])])
+    assert together["x"] == alone
+    json.loads(text(together["c"]))  # a sampled constrained row is valid JSON too
+
+
+def test_seeded_constrained_sampling_reproduces(
+    tiny: LlamaForCausalLM, byte_tokenizer: Any
+) -> None:
+    request = constrained("s", PROMPTS[1], sampling=Sampling(1.0, 0.9, 1234))
+    first = run(engine(tiny, byte_tokenizer), [request])["s"]
+    assert run(engine(tiny, byte_tokenizer), [request])["s"] == first
+    json.loads(text(first))
+
+
+@pytest.mark.parametrize("k", [1, 5, 9])
+def test_a_continuation_goes_on_as_the_undisturbed_run(
+    tiny: LlamaForCausalLM, byte_tokenizer: Any, k: int
+) -> None:
+    whole = run(engine(tiny, byte_tokenizer), [constrained("w", PROMPTS[0])])["w"]
+    prefix = tuple(t for t in whole[:k] if isinstance(t, int))
+    resumed = constrained("w", PROMPTS[0], output_prefix=prefix)
+    assert [*prefix, *run(engine(tiny, byte_tokenizer), [resumed])["w"]] == whole
+
+
+def test_a_bad_grammar_or_prefix_fails_that_request_alone(
+    tiny: LlamaForCausalLM, byte_tokenizer: Any
+) -> None:
+    eng = engine(tiny, byte_tokenizer)
+    bad = GenerationRequest("bad", PROMPTS[0], 10, constraint=Constraint("start: ("))
+    with pytest.raises(GrammarError):
+        eng.start(Assignment("bad", 1), bad)
+    not_json = constrained("p", PROMPTS[0], output_prefix=(ord("x") - 32,))
+    with pytest.raises(GrammarError):
+        eng.start(Assignment("p", 1), not_json)
+    out = run(eng, [constrained("ok", PROMPTS[0])])["ok"]
+    assert out[-1] == "eos" and json.loads(text(out))
+
+
+def test_a_repeated_grammar_compiles_once(tiny: LlamaForCausalLM, byte_tokenizer: Any) -> None:
+    eng = engine(tiny, byte_tokenizer)
+    run(eng, [constrained(f"r{i}", PROMPTS[i % 3]) for i in range(4)])
+    assert eng.grammars().compiled_count == 1
+
+
+def test_a_model_without_a_tokenizer_refuses_constraints(tiny: LlamaForCausalLM) -> None:
+    eng = engine(tiny, None)
+    with pytest.raises(GrammarError, match="no tokenizer"):
+        eng.start(Assignment("c", 1), constrained("c", PROMPTS[0]))
