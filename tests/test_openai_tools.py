@@ -19,7 +19,7 @@ from adapters.openai.models import FakeChatModel
 from adapters.openai.normalize import ChatJob, ChatMessage, ModelInfo, normalize_chat_request
 from adapters.openai.tool_prompt import render_with_tools
 from adapters.openai.toolcalls import Call, Content, Piece, ToolCallReader, read_answer
-from adapters.openai.tools import Tool, ToolCall
+from adapters.openai.tools import Tool, ToolCall, ToolSetup, call_grammar
 from adapters.runtime.worker_host import FakeDecoder
 from core.fake_model import EOS_TOKEN
 from core.protocol import Assignment, GenerationRequest
@@ -480,3 +480,50 @@ def test_bad_tool_input_over_http_is_an_openai_400(server: ServerThread) -> None
             messages=[*history()[:2], {"role": "tool", "tool_call_id": "call_2", "content": "x"}],  # type: ignore[arg-type]
         )
     assert caught.value.body["param"] == "messages[2].tool_call_id"  # type: ignore[index]
+
+
+# --- the grammar of a required call (llguidance, a byte-level BPE tokenizer built here) ---
+
+
+@pytest.fixture(scope="module")
+def grammar_tokenizer() -> Any:
+    import llguidance.hf
+
+    from tests.test_tokenizer_families import byte_level
+
+    return llguidance.hf.from_tokenizer(byte_level())
+
+
+def admits(tokenizer: Any, setup: ToolSetup, text: str) -> bool:
+    """Whether the grammar takes `text` whole and is then complete."""
+    from llguidance import LLMatcher
+
+    matcher = LLMatcher(tokenizer, call_grammar(setup))
+    encoded = tokenizer.tokenize_str(text)
+    return matcher.consume_tokens(encoded) and matcher.is_accepting()
+
+
+def test_the_required_grammar_admits_exactly_calls_of_the_tools(grammar_tokenizer: Any) -> None:
+    job = run(tools=[WEATHER, SEARCH], tool_choice="required")
+    assert isinstance(job, ChatJob)
+    second = '<tool_call>{"name": "search", "arguments": {"q": "rain"}}</tool_call>'
+    for text, ok in [
+        (CALL, True),
+        (CALL + second, True),  # parallel calls allowed: one after the other
+        (CALL.replace('"Paris"', '"Paris", "days": 2'), True),
+        ('<tool_call>{"name": "get_weather", "arguments": {"days": 2}}</tool_call>', False),
+        ('<tool_call>{"name": "get_weather", "arguments": {"city": 5}}</tool_call>', False),
+        ('<tool_call>{"name": "delete_all", "arguments": {}}</tool_call>', False),
+        ('<tool_call>{"arguments": {"city": "Paris"}, "name": "get_weather"}</tool_call>', False),
+        ("Sure! " + CALL, False),
+        (CALL[:-1], False),  # not complete
+    ]:  # fmt: skip
+        assert admits(grammar_tokenizer, job.tools, text) == ok, text
+    single = run(tools=[WEATHER, SEARCH], tool_choice="required", parallel_tool_calls=False)
+    named = run(
+        tools=[WEATHER, SEARCH], tool_choice={"type": "function", "function": {"name": "search"}}
+    )
+    assert isinstance(single, ChatJob) and isinstance(named, ChatJob)
+    assert not admits(grammar_tokenizer, single.tools, CALL + second)
+    assert admits(grammar_tokenizer, named.tools, second)
+    assert not admits(grammar_tokenizer, named.tools, CALL)  # not the named function

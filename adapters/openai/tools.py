@@ -198,15 +198,16 @@ def _schema_error(schema: dict[str, Any]) -> str:
 
 def call_grammar(setup: ToolSetup) -> str:
     """The llguidance grammar of the answer when a call is required: one call of a
-    callable function (one or more, separated by newlines or spaces, when the
-    choice is `required` and parallel calls are allowed)."""
+    callable function (one or more when the choice is `required` and parallel calls
+    are allowed). Calls follow each other with nothing between them: with a newline
+    allowed there, the default model at temperature 0 wrote the same call again and
+    again until max_tokens; without it, end-of-sequence wins after the call."""
     functions = setup.callable
     assert functions, "a grammar needs at least one function"
     rules = [f"f{i}: %json {json.dumps(_call_schema(t))}" for i, t in enumerate(functions)]
     several = setup.mode == "required" and setup.parallel
     lines = [
-        "start: call (SEP call)*" if several else "start: call",
-        "SEP: /[ \\n]*/",
+        "start: call+" if several else "start: call",
         f'call: "{CALL_START}" body "{CALL_END}"',
         "body: " + " | ".join(f"f{i}" for i in range(len(functions))),
         *rules,
