@@ -14,25 +14,8 @@ import sys
 import time
 from typing import Any
 
-TYPICAL = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string"},
-        "age": {"type": "integer"},
-        "height_m": {"type": "number"},
-        "member": {"type": "boolean"},
-        "colour": {"enum": ["red", "green", "blue"]},
-        "tags": {"type": "array", "items": {"type": "string"}},
-        "address": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
-            "required": ["city", "zip"],
-            "additionalProperties": False,
-        },
-    },
-    "required": ["name", "age", "height_m", "member", "colour", "tags", "address"],
-    "additionalProperties": False,
-}
+from adapters.bench.engine import TYPICAL_SCHEMA
+
 ANSWER = {
     "name": "Ada Lovelace",
     "age": 36,
@@ -74,6 +57,7 @@ FEATURES: dict[str, dict[str, Any]] = {
     "type list": {"type": ["string", "null"]},
 }
 REPEATS = 5
+TYPICAL = TYPICAL_SCHEMA  # the schema `fencepost bench engine --constrained` uses
 
 
 def tokenizer() -> Any:

@@ -278,3 +278,72 @@ def test_a_required_tool_call_from_the_default_model_validates_against_its_schem
                 parts = streamed.setdefault(delta.index, [delta.function.name or "", ""])
                 parts[1] += delta.function.arguments or ""
         assert [tuple(streamed[i]) for i in sorted(streamed)] == required  # the same greedy calls
+
+
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "year": {"type": "integer", "minimum": 1800, "maximum": 2100},
+        "genre": {"enum": ["drama", "comedy", "horror"]},
+        "cast": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
+        "studio": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 20}},
+            "required": ["name"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["title", "year", "genre", "cast", "studio"],
+    "additionalProperties": False,
+}
+
+
+def _json_answer(loaded: LoadedModel, tokens: list[int]) -> object:
+    import json
+
+    assert tokens[-1] in loaded.eos_token_ids  # the grammar ended it: eos
+    return json.loads(loaded.tokenizer.decode(tokens, skip_special_tokens=True))
+
+
+def test_constrained_answers_are_valid_json_alone_in_a_batch_and_resumed(
+    first_load: LoadedModel,
+) -> None:
+    import pydantic
+
+    from adapters.engine.grammar import json_schema_grammar
+    from core.protocol import Constraint
+
+    class Studio(pydantic.BaseModel, extra="forbid"):
+        name: str = pydantic.Field(max_length=20)
+
+    class Film(pydantic.BaseModel, extra="forbid"):  # JSON_SCHEMA's twin, to validate with
+        title: str = pydantic.Field(max_length=40)
+        year: int = pydantic.Field(ge=1800, le=2100)
+        genre: str = pydantic.Field(pattern="^(drama|comedy|horror)$")
+        cast: list[str] = pydantic.Field(max_length=3)
+        studio: Studio
+
+    schema = Constraint(json_schema_grammar(JSON_SCHEMA))
+    any_object = Constraint(json_schema_grammar(None))
+    prompt = chat(first_load, "Invent a film and describe it as JSON.")
+    whole = GenerationRequest("w", prompt, 120, constraint=schema)
+    eng = Engine(first_load, BatchLimits(max_seqs=8, max_context=512))
+    alone = generate(eng, [whole])["w"]
+    Film.model_validate(_json_answer(first_load, alone))
+    neighbours = [
+        GenerationRequest("free", chat(first_load, "Count to 5."), 30, Sampling(0.8, 0.9, 1)),
+        GenerationRequest("obj", chat(first_load, "A JSON object, please."), 200,
+                          Sampling(0.8, 0.9, 2), constraint=any_object),
+        GenerationRequest("film2", prompt, 120, Sampling(1.0, 1.0, 3), constraint=schema),
+    ]  # fmt: skip
+    together = generate(eng, [*neighbours, whole])
+    assert together["w"] == alone
+    Film.model_validate(_json_answer(first_load, together["film2"]))
+    if together["obj"][-1] in first_load.eos_token_ids:  # else cut by its budget
+        assert isinstance(_json_answer(first_load, together["obj"]), dict)
+    for k in (1, 9, len(alone) - 2):
+        resumed = GenerationRequest("c", prompt, 120, output_prefix=tuple(alone[:k]),
+                                    constraint=schema)  # fmt: skip
+        fresh = Engine(first_load, BatchLimits(max_seqs=4, max_context=512))
+        assert alone[:k] + generate(fresh, [resumed])["c"] == alone

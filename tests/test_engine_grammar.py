@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from adapters.engine.engine import Engine
-from adapters.engine.grammar import GrammarError, json_schema_grammar
+from adapters.engine.grammar import GrammarError, forbidden_penalty, json_schema_grammar
 from adapters.engine.model import LoadedModel
 from core.batching import BatchLimits
 from core.protocol import Assignment, Constraint, GenerationRequest, Sampling
@@ -152,3 +152,15 @@ def test_a_model_without_a_tokenizer_refuses_constraints(tiny: LlamaForCausalLM)
     eng = engine(tiny, None)
     with pytest.raises(GrammarError, match="no tokenizer"):
         eng.start(Assignment("c", 1), constrained("c", PROMPTS[0]))
+
+
+def test_the_penalty_forbids_exactly_the_tokens_whose_bit_is_clear() -> None:
+    allowed = {0, 5, 31, 32, 63, 64, 95}
+    bitmask = torch.zeros((1, 3), dtype=torch.int32)
+    for token in allowed:
+        word, bit = divmod(token, 32)
+        bitmask[0, word] |= torch.tensor(1 << bit, dtype=torch.int64).to(torch.int32)
+    penalty = forbidden_penalty(bitmask, 100, torch.float32)  # 3 words: 96..99 forbidden
+    assert {int(t) for t in torch.nonzero(penalty[0] == 0)} == allowed
+    probs = torch.softmax(torch.randn(1, 100) + penalty, dim=-1)
+    assert {int(t) for t in torch.nonzero(probs[0])} == allowed

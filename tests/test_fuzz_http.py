@@ -7,9 +7,11 @@ fields, bytes that are not JSON. Each goes to a real server on 127.0.0.1
 (fake model): /v1/chat/completions, and /v1/completions with its own fields
 (prompts as text, token ids in and out of the vocabulary, lists of them past
 the batch limit; echo, suffix, best_of; n, up to 16 choices for each of up to
-16 prompts). Tool requests get their own run (a server with a context that
-holds the tools section): valid tools and choices over valid histories, and
-malformed tools, choices, calls and tool messages. The default run sends
+16 prompts; response_format on both, with drawn JSON Schemas that reach the
+grammar engine's validation). Tool requests get their own run (a server with
+a context that holds the tools section): valid tools and choices over valid
+histories, and malformed tools, choices, calls and tool messages. The default
+run sends
 FENCEPOST_FUZZ_EXAMPLES (2,000) cases to chat and half as many to completions;
 set it higher for a longer run (README).
 """
@@ -60,7 +62,7 @@ content = odd_text | st.lists(text_part | other_part, max_size=3) | json_values
 roles = st.sampled_from(["system", "developer", "user", "assistant", "tool", "function", "bot"])
 # Tools: names on both sides of the pattern, schemas llguidance takes and ones it refuses.
 tool_names = st.sampled_from(["get_weather", "f", "x" * 64, "x" * 65, "", "a b", "é"]) | json_values
-schemas = st.sampled_from([
+parameter_schemas = st.sampled_from([
     {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     {"type": "object"}, {}, {"type": "string"}, {"properties": {"a": {"type": "strng"}}},
     {"properties": {"a": {"type": "string", "pattern": "(?<=x)a"}}}, {"$ref": "#/nowhere"},
@@ -68,7 +70,7 @@ schemas = st.sampled_from([
 ]) | json_values  # fmt: skip
 function = st.fixed_dictionaries(
     {"name": tool_names},
-    optional={"description": odd_text | json_values, "parameters": schemas,
+    optional={"description": odd_text | json_values, "parameters": parameter_schemas,
               "strict": st.booleans() | json_values},
 )  # fmt: skip
 tool = st.fixed_dictionaries({"type": st.just("function") | json_values, "function": function})
@@ -93,6 +95,31 @@ message = st.fixed_dictionaries(
               "tool_calls": st.lists(tool_call, max_size=2) | json_values,
               "tool_call_id": call_ids},
 )  # fmt: skip
+# JSON Schemas: mostly real keywords, with sensible and nonsense values, nested.
+schema_keywords = st.sampled_from(
+    ["type", "properties", "required", "items", "enum", "const", "anyOf", "oneOf", "allOf",
+     "not", "$ref", "$defs", "pattern", "format", "minimum", "maxLength", "minItems",
+     "additionalProperties", "uniqueItems", "prefixItems", "if", "x-guidance"]
+)  # fmt: skip
+schema_values = st.sampled_from(
+    ["object", "string", "integer", "array", "null", "nope", "#/$defs/a", "#", "(", "^a+$",
+     "date-time", -1, 0, 3, True, False, None, [], ["a"]]
+)  # fmt: skip
+schemas = st.recursive(
+    st.dictionaries(schema_keywords, schema_values | json_values, max_size=3),
+    lambda inner: st.dictionaries(
+        schema_keywords, inner | st.lists(inner, max_size=3) | schema_values, max_size=4
+    )
+    | st.fixed_dictionaries({"type": st.just("object"), "properties": st.dictionaries(
+        st.text(max_size=5), inner, max_size=3)}),
+    max_leaves=12,
+)  # fmt: skip
+json_schema_specs = st.fixed_dictionaries(
+    {},
+    optional={"name": st.sampled_from(["person", "a-b_1", "", "has space", "x" * 65]) | json_values,
+              "schema": schemas | json_values, "strict": st.booleans() | json_values,
+              "description": odd_text | json_values},
+)  # fmt: skip
 # Values on both sides of every documented limit (inclusive edges are accepted).
 EDGES: dict[str, st.SearchStrategy[Any]] = {
     "temperature": st.sampled_from([0, 0.0, -0.0, 2, 2.0, 2.000001, -1e-9, 1e-300]),
@@ -101,7 +128,8 @@ EDGES: dict[str, st.SearchStrategy[Any]] = {
         [["a", "b", "c", "d"], ["a", "b", "c", "d", "e"], "x" * 256, "x" * 257, "", [], [""]]
     ),
     "seed": st.sampled_from([-(2**63), -(2**63) - 1, 2**63 - 1, 2**63, 0]),
-    "response_format": st.sampled_from([{}, {"type": "text"}, {"type": "json_object"}, None]),
+    "response_format": st.sampled_from([{}, {"type": "text"}, {"type": "json_object"}, None])
+    | st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": json_schema_specs}),
     # around the context: the prompt takes a few dozen tokens of CONTEXT
     "max_tokens": st.integers(CONTEXT - 60, CONTEXT + 1) | st.sampled_from([0, 1, CONTEXT]),
 }
@@ -160,15 +188,7 @@ token_ids = st.integers(-2, 60) | st.sampled_from([VOCAB - 1, VOCAB, 2**63, True
 COMPLETION_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     k: v
     for k, v in FIELDS.items()
-    if k
-    not in (
-        "messages",
-        "max_completion_tokens",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "response_format",
-    )
+    if k not in ("messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls")
 } | {
     "prompt": odd_text
     | st.lists(odd_text, max_size=18)

@@ -89,7 +89,7 @@ def test_accepted_fields_reach_the_generation_request() -> None:
         ("functions", [{"name": "f"}]), ("function_call", "auto"), ("logprobs", True),
         ("top_logprobs", 2), ("logit_bias", {"5": 1}), ("presence_penalty", 0.5),
         ("frequency_penalty", -1), ("audio", {"voice": "x"}), ("modalities", ["audio"]),
-        ("response_format", {"type": "json_object"}), ("response_format", "text"),
+        ("response_format", {"type": "json"}), ("response_format", "text"),
         ("temperature", 2.5), ("temperature", -0.1), ("temperature", "hot"), ("temperature", True),
         ("top_p", 0), ("top_p", 1.5), ("seed", 1.5), ("seed", 2**63), ("seed", "7"),
         ("stop", ""), ("stop", ["a", "b", "c", "d", "e"]), ("stop", [1]), ("stop", {"a": 1}),

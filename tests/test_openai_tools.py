@@ -299,7 +299,15 @@ class ScriptedDecoder(FakeDecoder):
 
 
 class ScriptModel(FakeChatModel):
-    """Token t is the character chr(t) (the script decoder's output reads as its script)."""
+    """Token t is the character chr(t) (the script decoder's output reads as its script).
+
+    It says it constrains: its decoder writes whatever the test scripts, so a test
+    stands in for the grammar by scripting a valid call (the real model is held to
+    one in test_default_model.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.constrains = True
 
     def decode(self, token_ids: list[int]) -> str:
         return "".join(chr(t) for t in token_ids if t != EOS_TOKEN)
@@ -465,6 +473,20 @@ def test_a_multi_turn_history_through_the_sdk_counts_its_rendered_prompt(
     assert done.usage is not None and done.usage.prompt_tokens == len(expected)
 
 
+def test_a_model_that_cannot_constrain_refuses_required_calls() -> None:
+    with ServerThread(ServeOptions(port=0, fake=True)) as plain:  # the fake model
+        body = {"model": "fake", "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER]}
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            reply = requests.post(
+                f"{plain.base_url}/v1/chat/completions",
+                json=body | {"tool_choice": choice},
+                timeout=30,
+            )
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == "tool_choice"
+        auto = requests.post(f"{plain.base_url}/v1/chat/completions", json=body, timeout=30)
+        assert auto.status_code == 200  # auto needs no grammar: the answer is read for calls
+
+
 def test_bad_tool_input_over_http_is_an_openai_400(server: ServerThread) -> None:
     body = {"model": "fake", "messages": [{"role": "user", "content": "x"}]}
     response = requests.post(
@@ -527,3 +549,14 @@ def test_the_required_grammar_admits_exactly_calls_of_the_tools(grammar_tokenize
     assert not admits(grammar_tokenizer, single.tools, CALL + second)
     assert admits(grammar_tokenizer, named.tools, second)
     assert not admits(grammar_tokenizer, named.tools, CALL)  # not the named function
+
+
+def test_a_required_call_replaces_the_response_format_grammar() -> None:
+    json_object = {"type": "json_object"}
+    required = run(tools=[WEATHER], tool_choice="required", response_format=json_object)
+    auto = run(tools=[WEATHER], response_format=json_object)
+    plain = run(tools=[WEATHER], tool_choice="required")
+    assert isinstance(required, ChatJob) and isinstance(auto, ChatJob)
+    assert isinstance(plain, ChatJob)
+    assert required.requests[0].constraint == plain.requests[0].constraint  # the call's
+    assert auto.requests[0].constraint == auto.shared.constraint is not None  # the format's

@@ -12,6 +12,11 @@ exactly the requested number of tokens and the rates compare like for like.
 With --shared-prefix N it also times the first token of a request that
 starts with N tokens of text already in the prefix cache (an earlier request
 with another question computed them) against one whose N tokens are new.
+
+With --constrained (or --json-schema FILE) it also runs, at each concurrency,
+the same number of streams asking for JSON, once free and once constrained
+to the schema (default: TYPICAL_SCHEMA), side by side on one engine that stops
+at EOS: a stream that ends early is replaced, so the batch stays full.
 """
 
 from __future__ import annotations
@@ -20,17 +25,39 @@ import dataclasses
 import resource
 import statistics
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from adapters.engine.engine import DEFAULT_KV_CACHE_TOKENS, Engine
+from adapters.engine.grammar import json_schema_grammar
 from adapters.engine.llama import DEFAULT_BLOCK_SIZE
 from adapters.engine.model import LoadedModel, chat_token_ids, load_model
 from core.batching import BatchLimits
-from core.protocol import Assignment, Decoded, GenerationRequest, Sampling
+from core.protocol import Assignment, Constraint, Decoded, DecodeDone, GenerationRequest, Sampling
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+JSON_PROMPT = "Invent three people and describe each of them as JSON."
+# A typical structured-output schema: typed fields, an enum, an array, a nested object.
+TYPICAL_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "height_m": {"type": "number"},
+        "member": {"type": "boolean"},
+        "colour": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "height_m", "member", "colour", "tags", "address"],
+    "additionalProperties": False,
+}
 
 
 def _prompt_ids(loaded: LoadedModel) -> tuple[int, ...]:
@@ -65,6 +92,97 @@ def engine_run(
         if engine.last_step.prefill_tokens == 0:
             decode_steps.append(engine.last_step.seconds)
     return produced / (time.perf_counter() - began), decode_steps
+
+
+class RefilledRun(NamedTuple):
+    rate: float  # tokens/s over the whole run
+    decode_rate: float  # tokens/s over decode-only steps (no prefill of a replacement)
+    requests: int  # requests started
+
+
+def refilled_run(
+    engine: Engine,
+    prompt: tuple[int, ...],
+    concurrent: int,
+    tokens: int,
+    constraint: Constraint | None,
+) -> RefilledRun:
+    """`concurrent` streams until they have made concurrent * tokens tokens; a stream
+    that ends early is replaced by a new one, so the batch stays full, and the run
+    stops at the target (no tail of a few late replacements)."""
+    target, limit = concurrent * tokens, 50 * concurrent
+    started = 0
+    live: set[Assignment] = set()
+
+    def start() -> None:
+        nonlocal started
+        rid = f"refill-{concurrent}-{started}-{constraint is not None}"
+        sampling = Sampling(0.0 if concurrent == 1 else 0.7, 0.95, started)
+        request = GenerationRequest(rid, prompt, tokens, sampling, constraint=constraint)
+        engine.start(Assignment(rid, 1), request)
+        live.add(Assignment(rid, 1))
+        started += 1
+
+    for _ in range(concurrent):
+        start()
+    produced, decoded, decode_s = 0, 0, 0.0
+    began = time.perf_counter()
+    while engine.has_work() and produced < target:
+        events = engine.step()
+        produced += sum(1 for e in events if isinstance(e, Decoded))
+        if engine.last_step.prefill_tokens == 0:
+            decoded += engine.last_step.decode_rows
+            decode_s += engine.last_step.seconds
+        for event in events:
+            if isinstance(event, DecodeDone):
+                live.discard(event.assignment)
+                if started < limit:
+                    start()
+    for assignment in live:
+        engine.stop(assignment)
+    elapsed = time.perf_counter() - began
+    return RefilledRun(produced / elapsed, decoded / max(decode_s, 1e-9), started)
+
+
+def constrained_comparison(
+    engine: Engine, loaded: LoadedModel, schema: dict[str, Any], concurrency: list[int], tokens: int
+) -> None:
+    """Tokens/s of JSON-asking streams, free and constrained, at each concurrency (best
+    of three alternating runs each: the machine may be shared). Constrained streams
+    end when their JSON is complete and are replaced, so the whole-run rate also
+    pays for the replacements' prefills; the decode-step rate is the masks' cost."""
+    prompt = tuple(chat_token_ids(loaded.tokenizer, [{"role": "user", "content": JSON_PROMPT}]))
+    constraint = Constraint(json_schema_grammar(schema))
+    refilled_run(engine, prompt, 1, 8, constraint)  # warm up: the grammar tokenizer, compiling
+    grammars = engine.grammars()
+    print(f"  constrained decoding ({len(constraint.grammar)}-character grammar), best of 3:")
+    for n in concurrency:
+        free = constrained = RefilledRun(0.0, 0.0, 0)
+        requests = 0
+        masks_before = grammars.mask_seconds, grammars.mask_calls, grammars.mask_wait_seconds
+        for _ in range(3):
+            run = refilled_run(engine, prompt, n, tokens, None)
+            free = RefilledRun(max(free.rate, run.rate), max(free.decode_rate, run.decode_rate), 0)
+            run = refilled_run(engine, prompt, n, tokens, constraint)
+            constrained = RefilledRun(
+                max(constrained.rate, run.rate), max(constrained.decode_rate, run.decode_rate), 0
+            )
+            requests += run.requests
+        calls = grammars.mask_calls - masks_before[1]
+        per_step = (grammars.mask_seconds - masks_before[0]) / max(calls, 1)
+        waited = (grammars.mask_wait_seconds - masks_before[2]) / max(calls, 1)
+        label = f"{n:2} stream{'s' if n > 1 else ' '}"
+        print(
+            f"    {label}, whole run:    free {free.rate:7.1f} tok/s, constrained "
+            f"{constrained.rate:7.1f} tok/s ({constrained.rate / free.rate - 1:+.1%}); "
+            f"{requests} constrained requests for {3 * n} streams"
+        )
+        print(
+            f"    {label}, decode steps: free {free.decode_rate:7.1f} tok/s, constrained "
+            f"{constrained.decode_rate:7.1f} tok/s "
+            f"({constrained.decode_rate / free.decode_rate - 1:+.1%}); "
+            f"masks {per_step * 1e3:.2f} ms per step, {waited * 1e3:.2f} ms of it waited for"
+        )
 
 
 def first_token_s(engine: Engine, rid: str, prompt: tuple[int, ...]) -> tuple[float, int]:
@@ -122,6 +240,7 @@ def main(
     kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
     shared_prefix: int | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    schema: dict[str, Any] | None = None,
 ) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
@@ -179,6 +298,16 @@ def main(
         )
     if shared_prefix is not None:
         shared_prefix_ttft(engine, loaded, shared_prefix)
+    if schema is not None:
+        stopping = Engine(
+            loaded,
+            limits,
+            weights=weights,
+            prefix_caching=prefix_caching,
+            kv_cache_tokens=kv_cache_tokens,
+            block_size=block_size,
+        )
+        constrained_comparison(stopping, loaded, schema, concurrency, tokens)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"  peak RSS: {peak_mib:.0f} MiB")
     return 0

@@ -9,8 +9,10 @@ into the module's own arguments.
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from adapters.cli import add_kv_cache_arguments, add_weights_argument, positive
 
@@ -194,11 +196,24 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         help="also time the first token of a request whose TOKENS-token prefix is cached "
         "against one whose prefix is not",
     )  # fmt: skip
+    parser.add_argument(
+        "--constrained", action="store_true",
+        help="also compare tokens/s of JSON streams free and constrained to a typical schema",
+    )  # fmt: skip
+    parser.add_argument(
+        "--json-schema", default=None, metavar="FILE",
+        help="with --constrained: the JSON Schema to constrain to (default: a typical one)",
+    )  # fmt: skip
 
 
 def _engine(args: argparse.Namespace) -> int:
     from adapters.bench import engine
 
+    schema = None
+    if args.json_schema is not None:
+        schema = json.loads(Path(args.json_schema).read_text())
+    elif args.constrained:
+        schema = engine.TYPICAL_SCHEMA
     return engine.main(
         model_path=args.model,
         tokens=args.tokens,
@@ -209,6 +224,7 @@ def _engine(args: argparse.Namespace) -> int:
         kv_cache_tokens=args.kv_cache_tokens,
         shared_prefix=args.shared_prefix,
         block_size=args.block_size,
+        schema=schema,
     )
 
 

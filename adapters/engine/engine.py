@@ -30,8 +30,9 @@ Every full block written, prompt or output, is committed to the cache.
 
 Constrained decoding (adapters/engine/grammar.py): a request with a Constraint
 gets a matcher at start (a continuation's matcher replays its output prefix);
-each step masks the constrained rows' logits in one batched call before
-sampling and feeds each emitted token to its matcher. A grammar that fails to
+each step computes the constrained rows' masks in one batched call on the
+grammar thread while the forward pass runs, applies them to the logits before
+sampling, and feeds each emitted token to its matcher. A grammar that fails to
 compile, or a prefix or token it rejects, fails that request alone.
 """
 
@@ -339,11 +340,17 @@ class Engine:
         pages = self.runner.pages([self.blocks.table(seq.key) for seq in seqs], max(where) + 1)
         positions = torch.tensor(where, device=device)
         tokens = torch.tensor([s.generation.output[-1] for s in seqs], device=device)
+        constrained = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
+        masks = None  # computed on the grammar thread during the forward pass
+        if constrained:
+            matchers = [seqs[row].matcher for row in constrained]
+            masks = self.grammars().penalties(matchers, self.runner.vocab_size)
         logits = self.runner.decode(pages, positions, tokens)
         for seq, position in zip(seqs, where, strict=True):
             if (position + 1) % self.blocks.block_size == 0:  # it filled a block
                 self.blocks.commit(seq.key, seq.written(position + 1))
-        logits = self._constrain(seqs, logits)
+        if masks is not None:
+            logits = self.grammars().apply(logits, constrained, masks)
         # Logprobs read `logits` from here on: masked, so they are the distribution drawn from.
         picks = sample_rows(logits, [seq.draw() for seq in seqs])
         for seq, token in zip(seqs, picks, strict=True):

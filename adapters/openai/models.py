@@ -9,7 +9,8 @@ with). FakeChatModel is the text side of core's fake model (core/fake_model.py,
 which the runtime's FakeDecoder runs) for tests and load runs: a made-up
 vocabulary of whole words and punctuation, a plain-text chat template, and no
 model weights at all; the fake end-of-sequence token decodes to nothing, as a
-real tokenizer skips its special tokens.
+real tokenizer skips its special tokens. Its vocabulary cannot spell JSON, so
+it does not constrain: a response_format asking for JSON gets a 400 from it.
 
 Tools (the request's, and calls and results in the history) go through the
 chat template when it renders them (a template that renders something else
@@ -34,6 +35,7 @@ class ServedModel(Protocol):
     id: str
     max_context: int
     vocab_size: int  # token ids are 0..vocab_size-1
+    constrains: bool  # its decoders enforce a request's grammar (response_format)
 
     def tokenize(self, text: str) -> list[int]: ...
 
@@ -50,6 +52,7 @@ class ChatModel:
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.vocab_size = len(tokenizer)  # with added special tokens
+        self.constrains = True  # the engine builds its grammar tokenizer from this one
         self.template_renders_tools = _template_renders_tools(tokenizer)
 
     def tokenize(self, text: str) -> list[int]:
@@ -86,6 +89,9 @@ class FakeChatModel:
         self.id = model_id
         self.max_context = max_context
         self.vocab_size = VOCAB
+        # Its words hold no JSON punctuation, so it could not honour a grammar: a
+        # response_format that needs one is refused (400) rather than ignored.
+        self.constrains = False
 
     def tokenize(self, text: str) -> list[int]:
         return [1 + (ord(c) % 30_000) for c in text]  # one per character, within VOCAB

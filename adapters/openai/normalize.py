@@ -11,12 +11,13 @@ small, tested subset of the OpenAI API (docs/design/http.md has both tables):
   string or a list of text parts); max_completion_tokens (max_tokens is an
   alias; when both are given max_completion_tokens wins); stream and
   stream_options.include_usage; temperature [0, 2]; top_p (0, 1]; stop (a
-  string or up to 4); seed; n (1 to 16 choices).
+  string or up to 4); seed; n (1 to 16 choices); response_format (text,
+  json_object, json_schema: adapters/openai/structured.py), on both endpoints.
 - tools, tool_choice, parallel_tool_calls (tools.py reads them); assistant
   messages with tool_calls and tool messages in the history.
 - Known fields whose value asks for something we do not do (logprobs,
-  images, json output, penalties, ...) are refused with 400 and `param`
-  naming the field. Unknown fields are ignored.
+  images, penalties, ...) are refused with 400 and `param` naming the
+  field. Unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import msgspec
 from msgspec.structs import replace
 
 from adapters.openai.errors import OpenAIError, invalid
+from adapters.openai.structured import response_format
 from adapters.openai.tools import (
     Tool,
     ToolCall,
@@ -50,6 +52,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     id: str
     max_context: int
     vocab_size: int
+    constrains: bool = True  # its decoders can enforce a grammar (the fake model's cannot)
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -76,6 +79,7 @@ class Shared(msgspec.Struct, frozen=True):
     stop: tuple[str, ...]
     budget: int | None  # max tokens asked for; None: not given
     n: int  # choices per prompt
+    constraint: Constraint | None = None  # what response_format asks the output to be
 
 
 class ChatJob(msgspec.Struct, frozen=True):
@@ -129,11 +133,6 @@ _UNSUPPORTED: tuple[Refusal, ...] = (
     ("modalities", lambda v: v != ["text"], "only the text modality is supported"),
     ("prediction", lambda v: True, "predicted outputs are not supported"),
     ("web_search_options", lambda v: True, "web search is not supported"),
-    (
-        "response_format",
-        lambda v: not (isinstance(v, dict) and v.get("type") == "text"),
-        "only response_format {'type': 'text'} is supported",
-    ),
 )
 _COMPLETION_UNSUPPORTED: tuple[Refusal, ...] = (
     *_SHARED_UNSUPPORTED,
@@ -156,6 +155,12 @@ def normalize_chat_request(
     tools = read_tools(body)
     if isinstance(tools, OpenAIError):
         return tools
+    must_call = tools.mode in ("required", "function")
+    if must_call and not shared.model.constrains:
+        return invalid(
+            f"'tool_choice': the model '{shared.model.id}' cannot constrain its output to a call",
+            "tool_choice",
+        )
     messages = _messages(body.get("messages"))
     if isinstance(messages, OpenAIError):
         return messages
@@ -164,8 +169,9 @@ def normalize_chat_request(
     budget = _budget(shared, len(prompt), None, "messages", "the messages take")
     if isinstance(budget, OpenAIError):
         return budget
-    must_call = tools.mode in ("required", "function")
-    constraint = Constraint(call_grammar(tools)) if must_call else None
+    # A required call is all the answer can be, so its grammar replaces response_format's;
+    # otherwise response_format's grammar (if any) holds, and the model answers in content.
+    constraint = Constraint(call_grammar(tools)) if must_call else shared.constraint
     requests = _choices(shared, request_id, tuple(prompt), budget, None, constraint)
     return ChatJob(requests, shared, tools)
 
@@ -193,7 +199,9 @@ def normalize_completion_request(
         budget = _budget(shared, len(prompt.token_ids), DEFAULT_COMPLETION_TOKENS, "prompt", what)
         if isinstance(budget, OpenAIError):
             return budget
-        requests += _choices(shared, request_id, prompt.token_ids, budget, i * shared.n, None)
+        requests += _choices(
+            shared, request_id, prompt.token_ids, budget, i * shared.n, shared.constraint
+        )
     return CompletionJob(requests, tuple(prompts), bool(echo), shared)
 
 
@@ -228,6 +236,9 @@ def _shared(
     budget = _max_tokens(body)
     if isinstance(budget, OpenAIError):
         return budget
+    constraint = response_format(body.get("response_format"))
+    if isinstance(constraint, OpenAIError):
+        return constraint
     model = resolve_model(model_name)
     if model is None:
         return OpenAIError(
@@ -237,7 +248,12 @@ def _shared(
             "model",
             "model_not_found",
         )
-    return Shared(model, bool(stream), include_usage, sampling, stop, budget, n or 1)
+    if constraint is not None and not model.constrains:
+        return invalid(
+            f"'response_format': the model '{model.id}' cannot constrain its output",
+            "response_format",
+        )
+    return Shared(model, bool(stream), include_usage, sampling, stop, budget, n or 1, constraint)
 
 
 def _choices(

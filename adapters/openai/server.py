@@ -623,7 +623,7 @@ class FencepostApp:
         model = self.models.get(name)
         if model is None:
             return None
-        return ModelInfo(model.id, model.max_context, model.vocab_size)
+        return ModelInfo(model.id, model.max_context, model.vocab_size, model.constrains)
 
     def _tokenize_chat(
         self, model_id: str, messages: Sequence[ChatMessage], tools: tuple[Tool, ...]

@@ -1,0 +1,84 @@
+"""kill -9 the real-model worker serving a json_schema stream: the resumed stream equals
+the undisturbed run and is valid JSON (real processes, the default model, 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+
+import openai
+import requests
+
+from tests.test_serve_process import LogWatcher, fencepost, healthy_workers, wait_for
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 30},
+        "scores": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 99},
+            "minItems": 12,
+            "maxItems": 12,
+        },
+        "done": {"type": "boolean"},
+    },
+    "required": ["title", "scores", "done"],
+    "additionalProperties": False,
+}
+CHUNKS_BEFORE_KILL = 6
+
+
+def test_kill_9_mid_json_schema_stream_resumes_to_the_same_valid_json() -> None:
+    serve = fencepost(
+        "serve", "--port", "0", "--no-local-worker", "--worker-listen", "127.0.0.1:0",
+        "--heartbeat-timeout", "2", "--max-context", "512",
+    )  # fmt: skip
+    processes: list[subprocess.Popen[str]] = [serve]
+    try:
+        log = LogWatcher(serve)
+        base = (
+            "http://127.0.0.1:" + log.find(r"serving \S+ on http://127\.0\.0\.1:(\d+)/v1", 120)[1]
+        )
+        worker_port = log.find(r"accepting workers on 127\.0\.0\.1:(\d+)")[1]
+        for worker_id in ("w1", "w2"):  # w1, first by id and then holding the cached
+            processes.append(fencepost(  # prompt, serves both streams
+                "worker", "--connect", f"127.0.0.1:{worker_port}", "--worker-id", worker_id,
+                "--slots", "2", "--max-context", "512", "--heartbeat-interval", "0.25",
+            ))  # fmt: skip
+        wait_for(lambda: healthy_workers(base) == 2, timeout_s=180)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+        model = client.models.list().data[0].id
+
+        def stream() -> openai.Stream:  # type: ignore[type-arg]
+            return client.chat.completions.create(
+                model=model, temperature=0, max_tokens=150, stream=True,
+                messages=[{"role": "user", "content": "Score a film twelve times, as JSON."}],
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": "scores", "schema": SCHEMA}},
+            )  # fmt: skip
+
+        undisturbed = "".join(c.choices[0].delta.content or "" for c in stream() if c.choices)
+        chunks = iter(stream())
+        text = "".join(
+            next(chunks).choices[0].delta.content or "" for _ in range(CHUNKS_BEFORE_KILL)
+        )
+        processes[1].send_signal(signal.SIGKILL)
+        finish = None
+        for chunk in chunks:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+        metrics = requests.get(f"{base}/metrics", timeout=10).text
+        resumes = re.search(r"^fencepost_stream_resumes(?:_total)? (\S+)", metrics, re.MULTILINE)
+        assert resumes is not None and float(resumes[1]) == 1  # w1 served it and died
+        assert (text, finish) == (undisturbed, "stop")
+        answer = json.loads(text)
+        assert len(answer["scores"]) == 12 and isinstance(answer["done"], bool)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait(10)
