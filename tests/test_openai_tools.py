@@ -560,3 +560,39 @@ def test_a_required_call_replaces_the_response_format_grammar() -> None:
     assert isinstance(plain, ChatJob)
     assert required.requests[0].constraint == plain.requests[0].constraint  # the call's
     assert auto.requests[0].constraint == auto.shared.constraint is not None  # the format's
+
+
+# --- a chat template that renders tools itself gets them (and the history) as data ---
+
+TOOL_TEMPLATE = (
+    "{% if tools %}[tools:{% for t in tools %}{{ t.function.name }};{% endfor %}]{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "(call {{ c.function.name }} {{ c.function.arguments.city }}){% endfor %}{% endif %}"
+    "{% if m.tool_call_id %}(result of {{ m.tool_call_id }}){% endif %}"
+    "{{ m.content or '' }}{% endfor %}<assistant>"
+)
+
+
+def test_a_template_that_renders_tools_gets_them_and_the_history_as_data() -> None:
+    from adapters.openai.models import ChatModel
+    from tests.test_tokenizer_families import byte_level
+
+    plain = byte_level()
+    plain.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    assert not ChatModel("plain", plain, 512).template_renders_tools
+    tokenizer = byte_level()
+    tokenizer.chat_template = TOOL_TEMPLATE
+    model = ChatModel("aware", tokenizer, 512)
+    assert model.template_renders_tools
+    tool = Tool("get_weather", None, {"type": "object"}, None)
+    messages = [
+        ChatMessage("user", "weather?"),
+        ChatMessage("assistant", "", (ToolCall("call_1", "get_weather", '{"city": "Paris"}'),)),
+        ChatMessage("tool", "sunny", (), "call_1"),
+    ]
+    text = tokenizer.decode(model.tokenize_chat(messages, (tool,)))
+    assert text == (
+        "[tools:get_weather;]<user>weather?<assistant>(call get_weather Paris)"
+        "<tool>(result of call_1)sunny<assistant>"
+    )
