@@ -596,3 +596,10 @@ def test_a_template_that_renders_tools_gets_them_and_the_history_as_data() -> No
         "[tools:get_weather;]<user>weather?<assistant>(call get_weather Paris)"
         "<tool>(result of call_1)sunny<assistant>"
     )
+
+
+def test_a_schema_nested_past_what_the_grammar_engine_takes_is_a_400() -> None:
+    deep: dict[str, Any] = {"type": "object"}
+    for _ in range(300):
+        deep = {"type": "object", "properties": {"a": deep}}
+    assert refused_param(tools=[fn(parameters=deep)]) == "tools[0].function.parameters"

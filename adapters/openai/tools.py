@@ -187,8 +187,8 @@ def _schema_error(schema: dict[str, Any]) -> str:
     """Why llguidance cannot enforce this schema ("" when it can)."""
     try:
         text = json.dumps(schema)
-    except (TypeError, ValueError):  # NaN and the like: not JSON at all
-        return "the schema is not valid JSON"
+    except RecursionError:  # the body decoded, but a deep stack leaves less room here
+        return "the schema is nested too deeply"
     error = LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(f"start: %json {text}"))
     if not error:
         return ""
