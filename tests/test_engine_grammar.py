@@ -72,10 +72,12 @@ def byte_tokenizer() -> Any:
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(ByteTokens()))
 
 
-def engine(model: LlamaForCausalLM, tokenizer: Any) -> Engine:
+def engine(model: LlamaForCausalLM, tokenizer: Any, kv_cache_tokens: int = 4096) -> Engine:
     limits = BatchLimits(max_seqs=4, max_context=256, max_step_tokens=16, max_prefill_tokens=5)
     loaded = LoadedModel(model, None, "tiny", frozenset({EOS}), 256, "built in the test")
-    return Engine(loaded, limits, grammar_tokenizer=tokenizer)
+    return Engine(
+        loaded, limits, grammar_tokenizer=tokenizer, kv_cache_tokens=kv_cache_tokens, block_size=8
+    )
 
 
 def constrained(rid: str, prompt: tuple[int, ...], **fields: Any) -> GenerationRequest:
@@ -109,6 +111,19 @@ def test_constrained_output_is_the_same_alone_and_in_a_batch(
     json.loads(text(together["c"]))  # a sampled constrained row is valid JSON too
 
 
+def test_preempted_constrained_sequences_go_on_unchanged(
+    tiny: LlamaForCausalLM, byte_tokenizer: Any
+) -> None:
+    requests = [constrained(f"p{i}", PROMPTS[i % 3], sampling=Sampling(0.9, 1.0, i))
+                for i in range(4)]  # fmt: skip
+    roomy = run(engine(tiny, byte_tokenizer), requests)
+    tight = engine(tiny, byte_tokenizer, kv_cache_tokens=14 * 8)  # one row needs up to 13
+    assert run(tight, requests) == roomy
+    assert tight.preemptions > 0
+    for out in roomy.values():
+        json.loads(text(out))
+
+
 def test_seeded_constrained_sampling_reproduces(
     tiny: LlamaForCausalLM, byte_tokenizer: Any
 ) -> None:
@@ -119,12 +134,14 @@ def test_seeded_constrained_sampling_reproduces(
 
 
 @pytest.mark.parametrize("k", [1, 5, 9])
+@pytest.mark.parametrize("sampling", [Sampling(0.0), Sampling(1.0, 0.9, 77)])
 def test_a_continuation_goes_on_as_the_undisturbed_run(
-    tiny: LlamaForCausalLM, byte_tokenizer: Any, k: int
+    tiny: LlamaForCausalLM, byte_tokenizer: Any, k: int, sampling: Sampling
 ) -> None:
-    whole = run(engine(tiny, byte_tokenizer), [constrained("w", PROMPTS[0])])["w"]
+    whole = run(engine(tiny, byte_tokenizer), [constrained("w", PROMPTS[0], sampling=sampling)])
+    whole = whole["w"]
     prefix = tuple(t for t in whole[:k] if isinstance(t, int))
-    resumed = constrained("w", PROMPTS[0], output_prefix=prefix)
+    resumed = constrained("w", PROMPTS[0], output_prefix=prefix, sampling=sampling)
     assert [*prefix, *run(engine(tiny, byte_tokenizer), [resumed])["w"]] == whole
 
 

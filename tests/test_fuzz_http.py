@@ -114,12 +114,16 @@ schemas = st.recursive(
         st.text(max_size=5), inner, max_size=3)}),
     max_leaves=12,
 )  # fmt: skip
-json_schema_specs = st.fixed_dictionaries(
-    {},
-    optional={"name": st.sampled_from(["person", "a-b_1", "", "has space", "x" * 65]) | json_values,
-              "schema": schemas | json_values, "strict": st.booleans() | json_values,
-              "description": odd_text | json_values},
-)  # fmt: skip
+spec_fields = {
+    "name": st.sampled_from(["person", "a-b_1", "", "has space", "x" * 65]) | json_values,
+    "schema": schemas | json_values,
+    "strict": st.booleans() | json_values,
+    "description": odd_text | json_values,
+}
+json_schema_specs = st.fixed_dictionaries(  # mostly well-formed, so schemas reach validation
+    {"name": st.just("person"), "schema": schemas},
+    optional={"strict": st.booleans(), "description": st.text(max_size=20)},
+) | st.fixed_dictionaries({}, optional=spec_fields)
 # Values on both sides of every documented limit (inclusive edges are accepted).
 EDGES: dict[str, st.SearchStrategy[Any]] = {
     "temperature": st.sampled_from([0, 0.0, -0.0, 2, 2.0, 2.000001, -1e-9, 1e-300]),

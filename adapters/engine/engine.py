@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+from llguidance import LLMatcher
 
 from adapters.engine.choose import choose
 from adapters.engine.grammar import GrammarError, Grammars, tokenizer_for
@@ -98,7 +99,7 @@ class _Sequence:
     generation: Generation  # the output so far: a continuation starts with its prefix
     context: tuple[int, ...]  # what prefill puts in the cache: prompt + output so far
     prefilled: int = 0  # context tokens in the cache (found cached or computed)
-    matcher: Any = None  # the grammar's state past the output so far (constrained only)
+    matcher: LLMatcher | None = None  # the grammar's state past the output (constrained only)
 
     @property
     def assignment(self) -> Assignment:
@@ -340,11 +341,11 @@ class Engine:
         pages = self.runner.pages([self.blocks.table(seq.key) for seq in seqs], max(where) + 1)
         positions = torch.tensor(where, device=device)
         tokens = torch.tensor([s.generation.output[-1] for s in seqs], device=device)
-        constrained = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
+        matchers = {row: seq.matcher for row, seq in enumerate(seqs) if seq.matcher is not None}
+        constrained = list(matchers)
         masks = None  # computed on the grammar thread during the forward pass
-        if constrained:
-            matchers = [seqs[row].matcher for row in constrained]
-            masks = self.grammars().penalties(matchers, self.runner.vocab_size)
+        if matchers:
+            masks = self.grammars().penalties(list(matchers.values()), self.runner.vocab_size)
         logits = self.runner.decode(pages, positions, tokens)
         for seq, position in zip(seqs, where, strict=True):
             if (position + 1) % self.blocks.block_size == 0:  # it filled a block
@@ -364,16 +365,11 @@ class Engine:
         self._computed_tokens += count
         self.blocks.commit(seq.key, context[: seq.prefilled])
         if seq.prefilled == len(context):
-            logits = self._constrain([seq], logits[None])
+            logits = logits[None]
+            if seq.matcher is not None:  # the first token: its mask is computed here
+                logits = self.grammars().mask(logits, [0], [seq.matcher])
             [token] = sample_rows(logits, [seq.draw()])
             self._emit(seq, token, events)
-
-    def _constrain(self, seqs: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """The logits with the rows of requests that carry a grammar masked by it."""
-        rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
-        if not rows:
-            return logits
-        return self.grammars().mask(logits, rows, [seqs[row].matcher for row in rows])
 
     def _emit(self, seq: _Sequence, token: int, events: list[DecoderEvent]) -> None:
         ended = seq.generation.emit(token, events)

@@ -145,9 +145,6 @@ class Grammars:
         self.mask_wait_seconds += began - waited
         return masked
 
-    def close(self) -> None:
-        self._thread.shutdown(wait=False)
-
 
 class Penalty(NamedTuple):
     penalty: torch.Tensor  # [rows, vocab]: 0 where allowed, very negative where not
