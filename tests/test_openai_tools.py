@@ -603,3 +603,35 @@ def test_a_schema_nested_past_what_the_grammar_engine_takes_is_a_400() -> None:
     for _ in range(300):
         deep = {"type": "object", "properties": {"a": deep}}
     assert refused_param(tools=[fn(parameters=deep)]) == "tools[0].function.parameters"
+
+
+def test_stop_strings_apply_before_calls_are_read_streamed_and_not(server: ServerThread) -> None:
+    say(server, f"Looking. {CALL} END and more text")
+    body = {"model": "fake", "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER]}
+    url = f"{server.base_url}/v1/chat/completions"
+    for stop, content, finish in [("END", "Looking. ", "tool_calls"), ("Paris", "", "stop")]:
+        plain = requests.post(url, json=body | {"stop": stop}, timeout=30).json()
+        choice = plain["choices"][0]
+        streamed = sse_events(
+            requests.post(
+                url,
+                json=body
+                | {"stop": stop, "stream": True, "stream_options": {"include_usage": True}},
+                timeout=30,
+            ).content
+        )
+        deltas = [e["choices"][0] for e in streamed[:-1] if e["choices"]]
+        text = "".join(d["delta"].get("content") or "" for d in deltas)
+        calls = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
+        if finish == "tool_calls":  # the stop string ends the text after the call
+            assert choice["message"]["content"] == text == content
+            assert len(choice["message"]["tool_calls"]) == 1 and len(calls) == 2
+        else:  # the stop string cut the call: what is left of it is content
+            cut = CALL[: CALL.index("Paris")]
+            assert choice["message"]["content"] == text == "Looking. " + cut
+            assert "tool_calls" not in choice["message"] and calls == []
+        assert choice["finish_reason"] == deltas[-1]["finish_reason"] == finish
+        usage = streamed[-2]["usage"]
+        assert usage == plain["usage"]
+        script = f"Looking. {CALL} END"
+        assert usage["completion_tokens"] == script.index(stop) + len(stop)  # up to the stop
