@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
@@ -238,6 +240,66 @@ def test_logprobs_of_greedy_tokens_are_the_models_log_softmax(first_load: Loaded
         assert record.top[0][0] == event.token_id  # greedy: the most likely token
         assert values == sorted(values, reverse=True) and len(values) == 5
         assert sum(math.exp(v) for v in values) <= 1.0 + 1e-6
+
+
+def test_a_required_tool_call_from_the_default_model_validates_against_its_schema(
+    first_load: LoadedModel,
+) -> None:
+    import openai
+    import pydantic
+
+    from adapters.cli.serve import ServeOptions
+    from adapters.openai.models import ChatModel
+    from adapters.runtime.worker_host import EngineDecoder
+    from tests.http_helpers import ServerThread
+
+    class GetWeather(pydantic.BaseModel):
+        """The current weather in a city."""
+
+        city: str
+        unit: Literal["celsius", "fahrenheit"]
+
+    query = {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}
+    search = {"type": "function", "function": {"name": "search_web", "parameters": query}}
+    model = ChatModel(first_load.name, first_load.tokenizer, 1024)
+    assert not model.template_renders_tools  # SmolLM2's template: the text fallback
+    engine = Engine(first_load, BatchLimits(max_seqs=4, max_context=1024))
+    with ServerThread(
+        ServeOptions(port=0, max_context=1024), EngineDecoder(engine), model
+    ) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+        messages = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+        tools = [openai.pydantic_function_tool(GetWeather), search]
+        required: list[tuple[str, str]] = []
+        for choice in ("required", {"type": "function", "function": {"name": "GetWeather"}}):
+            done = client.chat.completions.create(
+                model=first_load.name, messages=messages, tools=tools,  # type: ignore[arg-type]
+                tool_choice=choice, temperature=0, max_tokens=80,  # type: ignore[arg-type]
+            )  # fmt: skip
+            answer = done.choices[0]
+            assert answer.finish_reason == "tool_calls", answer
+            calls = answer.message.tool_calls or []
+            assert len(calls) >= 1 and answer.message.content is None
+            if isinstance(choice, dict):
+                assert [c.function.name for c in calls] == ["GetWeather"]
+            else:
+                required = [(c.function.name, c.function.arguments) for c in calls]
+            for call in calls:
+                if call.function.name == "GetWeather":
+                    GetWeather.model_validate_json(call.function.arguments)
+                else:
+                    assert isinstance(json.loads(call.function.arguments)["query"], str)
+        stream = client.chat.completions.create(
+            model=first_load.name, messages=messages, tools=tools,  # type: ignore[arg-type]
+            tool_choice="required", temperature=0, max_tokens=80, stream=True,  # type: ignore[arg-type]
+        )  # fmt: skip
+        streamed: dict[int, list[str]] = {}
+        for chunk in stream:
+            for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                assert delta.function is not None
+                parts = streamed.setdefault(delta.index, [delta.function.name or "", ""])
+                parts[1] += delta.function.arguments or ""
+        assert [tuple(streamed[i]) for i in sorted(streamed)] == required  # the same greedy calls
 
 
 JSON_SCHEMA = {

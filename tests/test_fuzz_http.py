@@ -8,7 +8,10 @@ fields, bytes that are not JSON. Each goes to a real server on 127.0.0.1
 (prompts as text, token ids in and out of the vocabulary, lists of them past
 the batch limit; echo, suffix, best_of; n, up to 16 choices for each of up to
 16 prompts; response_format on both, with drawn JSON Schemas that reach the
-grammar engine's validation). The default run sends
+grammar engine's validation). Tool requests get their own run (a server with
+a context that holds the tools section): valid tools and choices over valid
+histories, and malformed tools, choices, calls and tool messages. The default
+run sends
 FENCEPOST_FUZZ_EXAMPLES (2,000) cases to chat and half as many to completions;
 set it higher for a longer run (README).
 """
@@ -33,6 +36,7 @@ from tests.http_helpers import ServerThread, sse_events
 
 EXAMPLES = int(os.environ.get("FENCEPOST_FUZZ_EXAMPLES", "2000"))
 CONTEXT = 256  # small, so valid requests without max_tokens stay quick
+TOOL_CONTEXT = 2048
 
 scalars = (
     st.none()
@@ -57,10 +61,40 @@ other_part = st.fixed_dictionaries(
 )
 content = odd_text | st.lists(text_part | other_part, max_size=3) | json_values
 roles = st.sampled_from(["system", "developer", "user", "assistant", "tool", "function", "bot"])
+# Tools: names on both sides of the pattern, schemas llguidance takes and ones it refuses.
+tool_names = st.sampled_from(["get_weather", "f", "x" * 64, "x" * 65, "", "a b", "é"]) | json_values
+parameter_schemas = st.sampled_from([
+    {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    {"type": "object"}, {}, {"type": "string"}, {"properties": {"a": {"type": "strng"}}},
+    {"properties": {"a": {"type": "string", "pattern": "(?<=x)a"}}}, {"$ref": "#/nowhere"},
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 3}}},
+]) | json_values  # fmt: skip
+function = st.fixed_dictionaries(
+    {"name": tool_names},
+    optional={"description": odd_text | json_values, "parameters": parameter_schemas,
+              "strict": st.booleans() | json_values},
+)  # fmt: skip
+tool = st.fixed_dictionaries({"type": st.just("function") | json_values, "function": function})
+tool_choices = (
+    st.sampled_from(["none", "auto", "required", "any"])
+    | st.fixed_dictionaries(
+        {"type": st.just("function") | json_values, "function": st.fixed_dictionaries(
+            {"name": tool_names})}
+    )
+    | json_values
+)  # fmt: skip
+call_ids = st.sampled_from(["call_1", "call_2", ""]) | json_values
+tool_call = st.fixed_dictionaries(
+    {"id": call_ids, "function": st.fixed_dictionaries(
+        {"name": tool_names, "arguments": st.sampled_from(['{"city": "Paris"}', "{", ""])
+         | json_values})},
+    optional={"type": st.just("function") | json_values},
+)  # fmt: skip
 message = st.fixed_dictionaries(
     {},
-    optional={"role": roles | json_values, "content": content, "name": json_values,
-              "tool_calls": json_values},
+    optional={"role": roles | json_values, "content": content | st.none(), "name": json_values,
+              "tool_calls": st.lists(tool_call, max_size=2) | json_values,
+              "tool_call_id": call_ids},
 )  # fmt: skip
 # JSON Schemas: mostly real keywords, with sensible and nonsense values, nested.
 schema_keywords = st.sampled_from(
@@ -106,7 +140,7 @@ EDGES: dict[str, st.SearchStrategy[Any]] = {
 }
 FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "model": st.just("fake") | st.sampled_from(["", "gpt-4o", "FAKE"]) | json_values,
-    "messages": st.lists(message, min_size=1, max_size=3) | json_values,
+    "messages": st.lists(message, min_size=1, max_size=4) | json_values,
     "max_tokens": numbers | EDGES["max_tokens"],
     "max_completion_tokens": numbers | EDGES["max_tokens"],
     "stream": st.booleans() | json_values,
@@ -117,8 +151,9 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "stop": odd_text | st.lists(odd_text, max_size=6) | EDGES["stop"] | json_values,
     "seed": numbers | EDGES["seed"],
     "n": st.sampled_from([1, 2, 3, 16, 17, 0, False, True, -1, 2.0]) | json_values,
-    "tools": json_values,
-    "tool_choice": json_values,
+    "tools": st.lists(tool, max_size=3) | json_values,
+    "tool_choice": tool_choices,
+    "parallel_tool_calls": st.booleans() | json_values,
     "logprobs": st.sampled_from([True, False, 0, 1, None]) | json_values,
     "top_logprobs": st.sampled_from([0, 1, 20, 21, -1, True, 2.0]) | json_values,
     "response_format": EDGES["response_format"] | json_values,
@@ -128,11 +163,37 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "metadata": json_values,
     "x-unknown": json_values,
 }
+# Tool requests that get past the other fields: valid histories (a call and its
+# result) and valid tools beside malformed ones, so the tool paths run deep.
+HISTORY = [
+    {"role": "user", "content": "weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]  # fmt: skip
+good_histories = st.sampled_from([HISTORY[:1], HISTORY, [*HISTORY, HISTORY[0]]])
+histories = good_histories | st.lists(st.sampled_from(HISTORY) | message, min_size=1, max_size=4)
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
+SEARCH_TOOL = {"type": "function", "function": {"name": "search"}}
+GOOD_CHOICES = ["none", "auto", "required", {"type": "function", "function": {"name": "search"}}]
+tool_bodies = st.fixed_dictionaries(  # valid tools and choices, histories mostly valid ...
+    {"model": st.just("fake"), "messages": good_histories,
+     "tools": st.just([WEATHER_TOOL, SEARCH_TOOL])},
+    optional={"tool_choice": st.sampled_from(GOOD_CHOICES), "parallel_tool_calls": st.booleans(),
+              "stream": st.booleans(), "max_tokens": st.integers(1, 40), "n": st.just(2)},
+) | st.fixed_dictionaries(  # ... or anything in the tool fields
+    {"model": st.just("fake"), "messages": histories},
+    optional={"tools": st.lists(st.just(WEATHER_TOOL) | tool, max_size=3) | json_values,
+              "tool_choice": tool_choices, "parallel_tool_calls": st.booleans() | json_values,
+              "stream": st.booleans()},
+)  # fmt: skip
 token_ids = st.integers(-2, 60) | st.sampled_from([VOCAB - 1, VOCAB, 2**63, True]) | json_values
 COMPLETION_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     k: v
     for k, v in FIELDS.items()
-    if k not in ("messages", "max_completion_tokens", "tools", "tool_choice")
+    if k not in ("messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls")
 } | {
     "prompt": odd_text
     | st.lists(odd_text, max_size=18)
@@ -210,6 +271,14 @@ def server() -> Iterator[ServerThread]:
 
 
 @pytest.fixture(scope="module")
+def tool_server() -> Iterator[ServerThread]:
+    # The tools section alone takes hundreds of the fake model's one-character tokens.
+    options = ServeOptions(port=0, fake=True, max_context=TOOL_CONTEXT)
+    with ServerThread(options, model=FakeChatModel("fake", TOOL_CONTEXT)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
 def session() -> Iterator[requests.Session]:
     with requests.Session() as s:
         yield s
@@ -233,7 +302,7 @@ def check_reply(reply: requests.Response, streamed: bool, endpoint: Endpoint) ->
         body = reply.json()
         assert body["object"] == endpoint.objects[1]
         assert [c["index"] for c in body["choices"]] == list(range(len(body["choices"])))
-        assert all(c["finish_reason"] in ("stop", "length") for c in body["choices"])
+        assert all(c["finish_reason"] in ("stop", "length", "tool_calls") for c in body["choices"])
         choices = body["choices"]
     for choice in choices:
         check_logprobs(choice["logprobs"], endpoint)
@@ -281,6 +350,24 @@ def fuzz(endpoint: Endpoint, examples: int) -> Any:
 
 
 test_no_body_breaks_the_server = fuzz(CHAT, EXAMPLES)
+
+
+@settings(
+    max_examples=max(1, EXAMPLES // 2),
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(body=tool_bodies)
+def test_no_tool_request_breaks_the_server(
+    tool_server: ServerThread, session: requests.Session, body: dict[str, Any]
+) -> None:
+    reply = session.post(f"{tool_server.base_url}{CHAT.path}", json=body, timeout=30)
+    streamed = reply.headers.get("content-type", "").startswith("text/event-stream")
+    check_reply(reply, streamed, CHAT)
+
+
 test_no_completions_body_breaks_the_server = fuzz(COMPLETIONS, max(1, EXAMPLES // 2))
 
 

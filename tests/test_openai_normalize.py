@@ -22,12 +22,13 @@ from adapters.openai.normalize import (
     normalize_chat_request,
     normalize_completion_request,
 )
+from adapters.openai.tools import Tool
 from core.protocol import Sampling
 
 MODEL = ModelInfo("m", max_context=100, vocab_size=1000)
 
 
-def tokenize(model_id: str, messages: Sequence[ChatMessage]) -> list[int]:
+def tokenize(model_id: str, messages: Sequence[ChatMessage], tools: tuple[Tool, ...]) -> list[int]:
     # one token per character, so tests can size prompts exactly
     return [1] * sum(len(m.content) + 2 for m in messages)
 
@@ -83,8 +84,8 @@ def test_accepted_fields_reach_the_generation_request() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("n", 17), ("n", 0), ("n", True), ("n", 1.0), ("tools", [{"type": "function"}]),
-        ("tool_choice", "auto"),
+        ("n", 17), ("n", 0), ("n", True), ("n", 1.0), ("tools", {"type": "function"}),
+        ("tool_choice", "required"), ("parallel_tool_calls", 1),
         ("functions", [{"name": "f"}]), ("function_call", "auto"), ("logprobs", 1),
         ("top_logprobs", 2), ("top_logprobs", 21), ("logit_bias", {"5": 1}),
         ("presence_penalty", 0.5),
@@ -111,7 +112,7 @@ def test_harmless_values_of_refusable_fields_are_accepted() -> None:
 @pytest.mark.parametrize(
     ("message", "param"),
     [
-        ({"role": "tool", "content": "x", "tool_call_id": "1"}, "messages[0].role"),
+        ({"role": "tool", "content": "x", "tool_call_id": "1"}, "messages[0].tool_call_id"),
         ({"role": "function", "content": "x", "name": "f"}, "messages[0].role"),
         ({"role": "robot", "content": "x"}, "messages[0].role"),
         ({"content": "x"}, "messages[0].role"),
@@ -121,7 +122,7 @@ def test_harmless_values_of_refusable_fields_are_accepted() -> None:
          "messages[0].content[0]"),
         ({"role": "user", "content": [{"type": "input_audio"}]}, "messages[0].content[0]"),
         ({"role": "user", "content": [{"type": "text"}]}, "messages[0].content[0].text"),
-        ({"role": "assistant", "content": "x", "tool_calls": [{}]}, "messages[0].tool_calls"),
+        ({"role": "assistant", "content": "x", "tool_calls": [{}]}, "messages[0].tool_calls[0].id"),
         ("hello", "messages[0]"),
     ],
 )  # fmt: skip
@@ -201,7 +202,7 @@ EDGES_REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": True}, "top_logprobs"),
-    ({"tools": [{}]}, "tools"),
+    ({"tools": [{}]}, "tools[0].type"),
     ({"presence_penalty": 0.1}, "presence_penalty"),
 ]
 

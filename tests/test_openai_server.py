@@ -145,7 +145,8 @@ ERROR_CASES = [
     ("too long", {"json": chat_body("x" * 3000)}, 400, "context_length_exceeded", "messages"),
     ("n=17", {"json": chat_body(n=17)}, 400, None, "n"),
     ("n=0", {"json": chat_body(n=0)}, 400, None, "n"),
-    ("tools", {"json": chat_body(tools=[{"type": "function"}], stream=True)}, 400, None, "tools"),
+    ("tools", {"json": chat_body(tools=[{"type": "function"}], stream=True)}, 400, None,
+     "tools[0].function"),
     ("image", {"json": chat_body(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}])},
      400, None, "messages[0].content[0]"),

@@ -15,6 +15,7 @@ import importlib.util
 import os
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,10 +41,13 @@ class LoadedModel:
     source: str  # where it was loaded from, for the person starting the server
 
 
-def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """The prompt token ids for chat `messages` through the tokenizer's chat template,
-    ready for the assistant's turn (transformers returns a list or an encoding)."""
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+def chat_token_ids(
+    tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: list[Any] | None = None
+) -> list[int]:
+    """The prompt token ids for chat `messages` (and `tools`, for a template that renders
+    them) through the tokenizer's chat template, ready for the assistant's turn
+    (transformers returns a list or an encoding)."""
+    encoded = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
     ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
     return [int(t) for t in ids]
 

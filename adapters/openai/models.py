@@ -14,10 +14,16 @@ it does not constrain: a response_format asking for JSON gets a 400 from it.
 
 token_bytes is a token's own bytes, for log probability entries: a token may
 hold part of a UTF-8 character, which decode cannot show.
+
+Tools (the request's, and calls and results in the history) go through the
+chat template when it renders them (a template that renders something else
+when given `tools=`); otherwise, and always for the fake model, they are
+rendered as text by tool_prompt.render_with_tools before the template.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any, Protocol
@@ -25,6 +31,8 @@ from typing import Any, Protocol
 from adapters.engine.model import chat_token_ids
 from adapters.openai.logprobs import byte_level_decoder
 from adapters.openai.normalize import ChatMessage
+from adapters.openai.tool_prompt import needs_tools_rendering, render_with_tools, tool_schema
+from adapters.openai.tools import Tool
 from core.fake_model import EOS_TOKEN, VOCAB
 
 
@@ -36,7 +44,9 @@ class ServedModel(Protocol):
 
     def tokenize(self, text: str) -> list[int]: ...
 
-    def tokenize_chat(self, messages: Sequence[ChatMessage]) -> list[int]: ...
+    def tokenize_chat(
+        self, messages: Sequence[ChatMessage], tools: tuple[Tool, ...] = ()
+    ) -> list[int]: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
 
@@ -54,15 +64,23 @@ class ChatModel:
         self._byte_level = any("\u0120" in piece for piece in tokenizer.get_vocab())
         self.token_bytes = lru_cache(maxsize=65536)(self._token_bytes)
         self.constrains = True  # the engine builds its grammar tokenizer from this one
+        self.template_renders_tools = _template_renders_tools(tokenizer)
 
     def tokenize(self, text: str) -> list[int]:
         # The tokenizer's own special tokens (a BOS where the model wants one), as
         # other servers of the completions API do.
         return [int(t) for t in self.tokenizer.encode(text)]
 
-    def tokenize_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        chat = [{"role": m.role, "content": m.content} for m in messages]
-        return chat_token_ids(self.tokenizer, chat)
+    def tokenize_chat(
+        self, messages: Sequence[ChatMessage], tools: tuple[Tool, ...] = ()
+    ) -> list[int]:
+        if not needs_tools_rendering(messages, tools):
+            chat = [{"role": m.role, "content": m.content} for m in messages]
+            return chat_token_ids(self.tokenizer, chat)
+        if not self.template_renders_tools:
+            return chat_token_ids(self.tokenizer, render_with_tools(messages, tools))
+        schemas = [tool_schema(t) for t in tools] or None
+        return chat_token_ids(self.tokenizer, [_template_message(m) for m in messages], schemas)
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
@@ -105,8 +123,11 @@ class FakeChatModel:
     def tokenize(self, text: str) -> list[int]:
         return [1 + (ord(c) % 30_000) for c in text]  # one per character, within VOCAB
 
-    def tokenize_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        text = "".join(f"<{m.role}>{m.content}\n" for m in messages) + "<assistant>"
+    def tokenize_chat(
+        self, messages: Sequence[ChatMessage], tools: tuple[Tool, ...] = ()
+    ) -> list[int]:
+        chat = render_with_tools(messages, tools)
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in chat) + "<assistant>"
         return self.tokenize(text)
 
     def decode(self, token_ids: list[int]) -> str:
@@ -114,3 +135,40 @@ class FakeChatModel:
 
     def token_bytes(self, token_id: int) -> bytes:
         return self.decode([token_id]).encode()
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message in the shape tool-aware chat templates read (arguments as a mapping
+    where they parse, as transformers' templates expect)."""
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": _arguments(c.arguments)},
+            }
+            for c in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _arguments(text: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _template_renders_tools(tokenizer: Any) -> bool:
+    """Whether the chat template shows tools: it renders a probe differently with them."""
+    probe = [{"role": "user", "content": "x"}]
+    tool = {"type": "function", "function": {"name": "probe", "parameters": {"type": "object"}}}
+    try:
+        plain = tokenizer.apply_chat_template(probe, tokenize=False)
+        with_tools = tokenizer.apply_chat_template(probe, tools=[tool], tokenize=False)
+    except Exception:  # a template that fails on tools does not render them
+        return False
+    return bool(plain != with_tools)

@@ -15,9 +15,11 @@ small, tested subset of the OpenAI API (docs/design/http.md has both tables):
   (chat: a boolean and 0 to 20; legacy completions: logprobs 0 to 20, not
   with echo); response_format (text, json_object, json_schema:
   adapters/openai/structured.py), on both endpoints.
-- Known fields whose value asks for something we do not do (tools,
-  images, penalties, ...) are refused with 400 and
-  `param` naming the field. Unknown fields are ignored.
+- tools, tool_choice, parallel_tool_calls (tools.py reads them); assistant
+  messages with tool_calls and tool messages in the history.
+- Known fields whose value asks for something we do not do (images,
+  penalties, ...) are refused with 400 and `param` naming the field.
+  Unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -30,9 +32,17 @@ from msgspec.structs import replace
 
 from adapters.openai.errors import OpenAIError, invalid
 from adapters.openai.structured import response_format
+from adapters.openai.tools import (
+    Tool,
+    ToolCall,
+    ToolSetup,
+    call_grammar,
+    read_tool_calls,
+    read_tools,
+)
 from core.protocol import MAX_TOP_LOGPROBS, Constraint, GenerationRequest, Sampling
 
-ROLES = frozenset({"system", "developer", "user", "assistant"})
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 INT64 = 2**63
@@ -49,7 +59,9 @@ class ModelInfo(msgspec.Struct, frozen=True):
 
 class ChatMessage(msgspec.Struct, frozen=True):
     role: str
-    content: str
+    content: str  # "" for an assistant message that only calls tools
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class Prompt(msgspec.Struct, frozen=True):
@@ -78,6 +90,7 @@ class ChatJob(msgspec.Struct, frozen=True):
 
     requests: tuple[GenerationRequest, ...]  # choice i is requests[i]
     shared: Shared  # model, stream, include_usage, sampling, stop, as asked
+    tools: ToolSetup  # the answer is read for tool calls when tools.parses
 
 
 class CompletionJob(msgspec.Struct, frozen=True):
@@ -90,7 +103,8 @@ class CompletionJob(msgspec.Struct, frozen=True):
 
 
 ResolveModel = Callable[[str], ModelInfo | None]
-TokenizeChat = Callable[[str, Sequence[ChatMessage]], list[int]]
+# (model id, messages, the tools to list in the prompt) -> token ids
+TokenizeChat = Callable[[str, Sequence[ChatMessage], tuple[Tool, ...]], list[int]]
 Tokenize = Callable[[str, str], list[int]]  # (model id, text) -> token ids
 MAX_PROMPTS = 16  # prompts in one legacy completion request
 MAX_CHOICES = 16  # n: choices per prompt
@@ -114,11 +128,8 @@ _SHARED_UNSUPPORTED: tuple[Refusal, ...] = (
 # (field, predicate on a present, non-null value that means "unsupported", what to say)
 _UNSUPPORTED: tuple[Refusal, ...] = (
     *_SHARED_UNSUPPORTED,
-    ("tools", lambda v: v != [], "tools are not supported"),
-    ("tool_choice", lambda v: v != "none", "tool_choice is not supported"),
     ("functions", lambda v: v != [], "functions are not supported"),
     ("function_call", lambda v: v != "none", "function_call is not supported"),
-    ("parallel_tool_calls", lambda v: v is not False and v is not True, "must be a boolean"),
     ("audio", lambda v: True, "audio output is not supported"),
     ("modalities", lambda v: v != ["text"], "only the text modality is supported"),
     ("prediction", lambda v: True, "predicted outputs are not supported"),
@@ -145,16 +156,28 @@ def normalize_chat_request(
     if isinstance(logprobs, OpenAIError):
         return logprobs
     shared = replace(shared, logprobs=logprobs)
+    tools = read_tools(body)
+    if isinstance(tools, OpenAIError):
+        return tools
+    must_call = tools.mode in ("required", "function")
+    if must_call and not shared.model.constrains:
+        return invalid(
+            f"'tool_choice': the model '{shared.model.id}' cannot constrain its output to a call",
+            "tool_choice",
+        )
     messages = _messages(body.get("messages"))
     if isinstance(messages, OpenAIError):
         return messages
     model = shared.model
-    prompt = tokenize_chat(model.id, messages)
+    prompt = tokenize_chat(model.id, messages, tools.prompted)
     budget = _budget(shared, len(prompt), None, "messages", "the messages take")
     if isinstance(budget, OpenAIError):
         return budget
-    requests = _choices(shared, request_id, tuple(prompt), budget, first=None)
-    return ChatJob(requests, shared)
+    # A required call is all the answer can be, so its grammar replaces response_format's;
+    # otherwise response_format's grammar (if any) holds, and the model answers in content.
+    constraint = Constraint(call_grammar(tools)) if must_call else shared.constraint
+    requests = _choices(shared, request_id, tuple(prompt), budget, None, constraint)
+    return ChatJob(requests, shared, tools)
 
 
 def normalize_completion_request(
@@ -188,7 +211,9 @@ def normalize_completion_request(
         budget = _budget(shared, len(prompt.token_ids), DEFAULT_COMPLETION_TOKENS, "prompt", what)
         if isinstance(budget, OpenAIError):
             return budget
-        requests += _choices(shared, request_id, prompt.token_ids, budget, first=i * shared.n)
+        requests += _choices(
+            shared, request_id, prompt.token_ids, budget, i * shared.n, shared.constraint
+        )
     return CompletionJob(requests, tuple(prompts), bool(echo), shared)
 
 
@@ -246,7 +271,12 @@ def _shared(
 
 
 def _choices(
-    shared: Shared, request_id: str, prompt: tuple[int, ...], budget: int, first: int | None
+    shared: Shared,
+    request_id: str,
+    prompt: tuple[int, ...],
+    budget: int,
+    first: int | None,
+    constraint: Constraint | None,
 ) -> tuple[GenerationRequest, ...]:
     """The n requests of one prompt, each with its own seed and its own id: the
     response's id and the choice index (choices first .. first + n - 1). first None:
@@ -262,12 +292,7 @@ def _choices(
             sampling = replace(sampling, seed=choice_seed(sampling.seed, i))
         requests.append(
             GenerationRequest(
-                rid,
-                prompt,
-                budget,
-                sampling,
-                logprobs=shared.logprobs,
-                constraint=shared.constraint,
+                rid, prompt, budget, sampling, logprobs=shared.logprobs, constraint=constraint
             )
         )
     return tuple(requests)
@@ -348,28 +373,70 @@ def _prompts(
 def _messages(value: object) -> list[ChatMessage] | OpenAIError:
     if not isinstance(value, list) or not value:
         return invalid("'messages' must be a non-empty array", "messages")
-    out = []
+    out: list[ChatMessage] = []
     for i, message in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            return invalid(f"'{where}' must be an object", where)
-        role = message.get("role")
-        if not isinstance(role, str):
-            return invalid(f"'{where}.role' must be a string", f"{where}.role")
-        if role in ("tool", "function"):
-            return invalid(f"'{where}.role': the role '{role}' is not supported", f"{where}.role")
-        if role not in ROLES:
-            return invalid(
-                f"'{where}.role' must be one of {', '.join(sorted(ROLES))}", f"{where}.role"
-            )
-        for refused in ("tool_calls", "function_call", "audio"):
-            if message.get(refused) is not None:
-                return invalid(f"'{where}.{refused}' is not supported", f"{where}.{refused}")
-        content = _content(message.get("content"), f"{where}.content")
-        if isinstance(content, OpenAIError):
-            return content
-        out.append(ChatMessage(role, content))
+        chat = _message(message, f"messages[{i}]", out)
+        if isinstance(chat, OpenAIError):
+            return chat
+        out.append(chat)
     return out
+
+
+def _message(message: object, where: str, before: list[ChatMessage]) -> ChatMessage | OpenAIError:
+    """One message of the history; `before` are those before it (a tool message must
+    answer a call made in the assistant turn before it)."""
+    if not isinstance(message, dict):
+        return invalid(f"'{where}' must be an object", where)
+    role = message.get("role")
+    if not isinstance(role, str):
+        return invalid(f"'{where}.role' must be a string", f"{where}.role")
+    if role == "function":
+        return invalid(f"'{where}.role': the role 'function' is not supported", f"{where}.role")
+    if role not in ROLES:
+        return invalid(f"'{where}.role' must be one of {', '.join(sorted(ROLES))}", f"{where}.role")
+    for refused in ("function_call", "audio"):
+        if message.get(refused) is not None:
+            return invalid(f"'{where}.{refused}' is not supported", f"{where}.{refused}")
+    calls: tuple[ToolCall, ...] = ()
+    if message.get("tool_calls") is not None:
+        if role != "assistant":
+            where_calls = f"{where}.tool_calls"
+            return invalid(f"'{where_calls}': only assistant messages call tools", where_calls)
+        read = read_tool_calls(message["tool_calls"], f"{where}.tool_calls")
+        if isinstance(read, OpenAIError):
+            return read
+        calls = read
+    raw = message.get("content")
+    if raw is None and calls:
+        content: str | OpenAIError = ""  # an assistant turn that only calls tools
+    else:
+        content = _content(raw, f"{where}.content")
+    if isinstance(content, OpenAIError):
+        return content
+    if role != "tool":
+        return ChatMessage(role, content, calls)
+    call_id = message.get("tool_call_id")
+    if not isinstance(call_id, str) or not call_id:
+        return invalid(
+            f"'{where}.tool_call_id' must be a non-empty string", f"{where}.tool_call_id"
+        )
+    if call_id not in _open_calls(before):
+        return invalid(
+            f"'{where}.tool_call_id': no assistant message before it made the call '{call_id}'",
+            f"{where}.tool_call_id",
+        )
+    return ChatMessage(role, content, (), call_id)
+
+
+def _open_calls(before: list[ChatMessage]) -> set[str]:
+    """The call ids a tool message may answer: those of the last assistant message,
+    when only tool messages follow it."""
+    for message in reversed(before):
+        if message.role == "assistant":
+            return {call.id for call in message.tool_calls}
+        if message.role != "tool":
+            return set()
+    return set()
 
 
 def _content(value: object, where: str) -> str | OpenAIError:

@@ -56,6 +56,8 @@ from adapters.openai.normalize import (
     normalize_chat_request,
     normalize_completion_request,
 )
+from adapters.openai.toolcalls import Call, Content, ToolCallReader, read_answer
+from adapters.openai.tools import NO_TOOLS, Tool, ToolCall, ToolSetup
 from adapters.runtime.controller import Controller, RequestStream
 from core.protocol import (
     DeliverError,
@@ -278,6 +280,21 @@ class Answer:
     def opening(self, queue: ClientQueue) -> None:
         """What a stream sends before any generated text."""
 
+    def put_text(
+        self, queue: ClientQueue, index: int, text: str, entries: Sequence[Entry] = ()
+    ) -> None:
+        """Choice `index` generated `text` (after stop strings), with the logprob entries
+        that go out with it: stream them (entries in a frame of their own, since frames
+        with entries do not merge like text)."""
+        if entries:
+            queue.put_frame(self.delta_chunk(text, index, entries))
+        elif text:
+            queue.put_delta(text, index)
+
+    def put_finish(self, queue: ClientQueue, index: int, finish_reason: str) -> None:
+        """Choice `index` ended: stream what it still holds and its finish chunk."""
+        queue.put_frame(self.finish_chunk(index, finish_reason))
+
     def delta_chunk(self, text: str, index: int, entries: Sequence[Entry] = ()) -> bytes:
         """A chunk of one choice's text, with the logprob entries that go out with it."""
         raise NotImplementedError
@@ -290,8 +307,31 @@ class Answer:
         raise NotImplementedError
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 class ChatAnswer(Answer):
+    """Chat: content deltas, or, when the request has tools to call, content and
+    tool-call deltas as each choice's ToolCallReader finds them (toolcalls.py)."""
+
     chunk_object = "chat.completion.chunk"
+
+    def __init__(
+        self,
+        answer_id: str,
+        model: str,
+        include_usage: bool,
+        generations: list[Generation],
+        n: int,
+        tools: ToolSetup = NO_TOOLS,
+    ) -> None:
+        super().__init__(answer_id, model, include_usage, generations, n)
+        self.tools = tools
+        self.names = frozenset(t.name for t in tools.callable)
+        self.readers = {
+            g.index: ToolCallReader(self.names, new_call_id, tools.parallel) for g in generations
+        }
 
     def _chunk(
         self,
@@ -315,17 +355,68 @@ class ChatAnswer(Answer):
     def finish_chunk(self, index: int, finish_reason: str) -> bytes:
         return self._chunk(index, {}, finish_reason)
 
+    def put_text(
+        self, queue: ClientQueue, index: int, text: str, entries: Sequence[Entry] = ()
+    ) -> None:
+        if not self.tools.parses:
+            return super().put_text(queue, index, text, entries)
+        if text:
+            self._put_pieces(queue, index, self.readers[index].feed(text))
+        if entries:  # the reader may hold text back: entries go in a chunk of their own
+            queue.put_frame(self._chunk(index, {}, entries=entries))
+
+    def put_finish(self, queue: ClientQueue, index: int, finish_reason: str) -> None:
+        if not self.tools.parses:
+            return super().put_finish(queue, index, finish_reason)
+        reader = self.readers[index]
+        self._put_pieces(queue, index, reader.finish())
+        queue.put_frame(self.finish_chunk(index, _with_calls(finish_reason, reader.calls)))
+
+    def _put_pieces(self, queue: ClientQueue, index: int, pieces: list[Content | Call]) -> None:
+        for piece in pieces:
+            if isinstance(piece, Content):
+                queue.put_delta(piece.text, index)
+                continue
+            call = piece.call
+            first = {"index": piece.index, "id": call.id, "type": "function"}
+            first["function"] = {"name": call.name, "arguments": ""}
+            queue.put_frame(self._chunk(index, {"tool_calls": [first]}))
+            rest = {"index": piece.index, "function": {"arguments": call.arguments}}
+            queue.put_frame(self._chunk(index, {"tool_calls": [rest]}))
+
     def body(self, texts: list[str]) -> dict[str, Any]:
         choices = [
-            {
-                "index": generation.index,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": chat_logprobs(generation.entries) if generation.asks_logprobs else None,
-                "finish_reason": generation.finish_reason,
-            }
+            self._choice(generation, text)
             for generation, text in zip(self.generations, texts, strict=True)
         ]
         return self.result("chat.completion", choices)
+
+    def _choice(self, generation: Generation, text: str) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        finish_reason = generation.finish_reason
+        if self.tools.parses:
+            content, calls = read_answer(text, self.names, new_call_id, self.tools.parallel)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = [_call_json(c) for c in calls]
+                assert finish_reason is not None
+                finish_reason = _with_calls(finish_reason, calls)
+        return {
+            "index": generation.index,
+            "message": message,
+            "logprobs": chat_logprobs(generation.entries) if generation.asks_logprobs else None,
+            "finish_reason": finish_reason,
+        }
+
+
+def _with_calls(finish_reason: str, calls: list[ToolCall]) -> str:
+    """An answer that ended by itself after calling tools finishes with "tool_calls"."""
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
+
+
+def _call_json(call: ToolCall) -> dict[str, Any]:
+    function = {"name": call.name, "arguments": call.arguments}
+    return {"id": call.id, "type": "function", "function": function}
 
 
 class CompletionAnswer(Answer):
@@ -508,7 +599,9 @@ class FencepostApp:
             return accepted
         answer_id, job, generations = accepted
         shared = job.shared
-        answer = ChatAnswer(answer_id, shared.model.id, shared.include_usage, generations, shared.n)
+        answer = ChatAnswer(
+            answer_id, shared.model.id, shared.include_usage, generations, shared.n, job.tools
+        )
         return await self._respond(answer, shared.stream)
 
     async def completions(self) -> Response:
@@ -594,8 +687,10 @@ class FencepostApp:
             return None
         return ModelInfo(model.id, model.max_context, model.vocab_size, model.constrains)
 
-    def _tokenize_chat(self, model_id: str, messages: Sequence[ChatMessage]) -> list[int]:
-        return self.models[model_id].tokenize_chat(messages)
+    def _tokenize_chat(
+        self, model_id: str, messages: Sequence[ChatMessage], tools: tuple[Tool, ...]
+    ) -> list[int]:
+        return self.models[model_id].tokenize_chat(messages, tools)
 
     def _tokenize(self, model_id: str, text: str) -> list[int]:
         return self.models[model_id].tokenize(text)
@@ -671,17 +766,14 @@ class FencepostApp:
                 if siblings.cancel_called:  # a sibling failed: nothing more goes out
                     return
                 step = generation.apply(item)
-                if step.entries:  # a frame of its own: entries do not merge like text
-                    queue.put_frame(answer.delta_chunk(step.text, generation.index, step.entries))
-                elif step.text:
-                    queue.put_delta(step.text, generation.index)
+                answer.put_text(queue, generation.index, step.text, step.entries)
                 if step.error is not None:
                     body = msgspec.json.encode(step.error.body())
                     queue.put_frame(b"data: " + body + b"\n\n" + DONE)
                     siblings.cancel()
                     return
                 if step.finish_reason is not None:
-                    queue.put_frame(answer.finish_chunk(generation.index, step.finish_reason))
+                    answer.put_finish(queue, generation.index, step.finish_reason)
                     return
                 if queue.failed is not None:
                     generation.record("overflow")
