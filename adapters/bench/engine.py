@@ -320,10 +320,11 @@ def main(
     block_size: int = DEFAULT_BLOCK_SIZE,
     logprobs: int | None = None,
     schema: dict[str, Any] | None = None,
+    device: str = "auto",
 ) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
-    loaded = load_model(model_path)
+    loaded = load_model(model_path, device=device)
     # Generate every requested token: no early stop on EOS on either side.
     endless = dataclasses.replace(loaded, eos_token_ids=frozenset())
     prompt = _prompt_ids(loaded)

@@ -186,6 +186,11 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=positive, default=128, help="new tokens per request")
     parser.add_argument("--concurrency", default="1,4,8,16", help="comma-separated stream counts")
     parser.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--device", choices=("auto", "cuda", "cpu"), default="auto",
+        help="where the model runs (auto: CUDA when present; bf16 there, the weights "
+        "format of --weights on CPU)",
+    )  # fmt: skip
     add_weights_argument(parser)
     add_kv_cache_arguments(parser)
     parser.add_argument(
@@ -228,6 +233,7 @@ def _engine(args: argparse.Namespace) -> int:
         prefix_caching=not args.no_prefix_cache,
         kv_cache_tokens=args.kv_cache_tokens,
         shared_prefix=args.shared_prefix,
+        device=args.device,
         block_size=args.block_size,
         logprobs=args.logprobs,
         schema=schema,
