@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from adapters.engine.engine import Engine
+from adapters.engine.engine import Engine, logprob_records, sample_rows
 from adapters.engine.llama import Chunk
 from adapters.engine.model import LoadedModel, chat_token_ids, load_model
 from adapters.engine.quality import text_tokens
@@ -33,11 +33,26 @@ SHARED = tuple(range(40, 72))  # two blocks of 16: a prefix-cache hit for whoeve
 
 
 class ChunkByChunk(Engine):
-    """The engine as it prefilled before packing: one forward pass per chunk."""
+    """The engine as it prefilled before packing: one forward pass per chunk, through
+    prefill(), and each completing sequence sampled alone (the reference, kept apart
+    from Engine._prefill so that a mistake there cannot hide in both)."""
 
     def _prefill(self, chunks: list[Any], events: list[DecoderEvent]) -> None:
-        for chunk in chunks:
-            super()._prefill([chunk], events)
+        for seq, count in chunks:
+            context = seq.context
+            chunk = torch.tensor(context[seq.prefilled : seq.prefilled + count])
+            logits = self.runner.prefill(self.blocks.table(seq.key), seq.prefilled, chunk)
+            seq.prefilled += count
+            self._computed_tokens += count
+            self.blocks.commit(seq.key, context[: seq.prefilled])
+            if seq.prefilled == len(context):
+                logits = logits[None]
+                if seq.matcher is not None:
+                    logits = self.grammars().mask(logits, [0], [seq.matcher])
+                draws = [seq.draw()]
+                [token] = sample_rows(logits, draws)
+                [record] = logprob_records(logits, [token], draws, [seq.request.logprobs])
+                self._emit(seq, token, events, record)
 
 
 class Packing(Engine):
