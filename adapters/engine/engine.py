@@ -57,7 +57,7 @@ from llguidance import LLMatcher
 
 from adapters.engine.choose import choose
 from adapters.engine.grammar import FORBIDDEN, GrammarError, Grammars, tokenizer_for
-from adapters.engine.llama import DEFAULT_BLOCK_SIZE, LlamaRunner
+from adapters.engine.llama import DEFAULT_BLOCK_SIZE, Chunk, LlamaRunner
 from adapters.engine.model import LoadedModel, say
 from adapters.engine.sampling import TokenDraw, sample, sample_whole
 from core.batching import BatchLimits, Running, plan_step
@@ -245,10 +245,9 @@ class Engine:
         if plan.decode:
             self._decode([self._running[key] for key in plan.decode], events)
         decoded = time.perf_counter()
-        for key, count in plan.prefill:
-            seq = self._running.get(key)
-            if seq is not None:
-                self._prefill(seq, count, events)
+        chunks = [(self._running[k], count) for k, count in plan.prefill if k in self._running]
+        if chunks:
+            self._prefill(chunks, events)
         ended = time.perf_counter()
         prefilled = plan.tokens - len(plan.decode)
         if prefilled:
@@ -380,20 +379,36 @@ class Engine:
         for seq, token, record in zip(seqs, picks, records, strict=True):
             self._emit(seq, token, events, record)
 
-    def _prefill(self, seq: _Sequence, count: int, events: list[DecoderEvent]) -> None:
-        context = seq.context
-        chunk = torch.tensor(context[seq.prefilled : seq.prefilled + count], device=self.device)
-        logits = self.runner.prefill(self.blocks.table(seq.key), seq.prefilled, chunk)
-        seq.prefilled += count
-        self._computed_tokens += count
-        self.blocks.commit(seq.key, context[: seq.prefilled])
-        if seq.prefilled == len(context):
-            logits = logits[None]
-            if seq.matcher is not None:  # the first token: its mask is computed here
-                logits = self.grammars().mask(logits, [0], [seq.matcher])
-            draws = [seq.draw()]
-            [token] = sample_rows(logits, draws)
-            [record] = logprob_records(logits, [token], draws, [seq.request.logprobs])
+    def _prefill(self, chunks: list[tuple[_Sequence, int]], events: list[DecoderEvent]) -> None:
+        """Every prefill chunk of the step in one forward pass; the sequences whose
+        context it completes draw their first token (logits of their last row only)."""
+        packed, rows, done = [], [], []
+        first = 0
+        for seq, count in chunks:
+            tokens = seq.context[seq.prefilled : seq.prefilled + count]
+            table = self.blocks.table(seq.key)
+            packed.append(Chunk(table, seq.prefilled, torch.tensor(tokens, device=self.device)))
+            first += count
+            if seq.prefilled + count == len(seq.context):
+                rows.append(first - 1)
+                done.append(seq)
+        matchers = {row: seq.matcher for row, seq in enumerate(done) if seq.matcher is not None}
+        masks = None  # the first tokens' masks, computed on the grammar thread meanwhile
+        if matchers:
+            masks = self.grammars().penalties(list(matchers.values()), self.runner.vocab_size)
+        logits = self.runner.prefill_packed(packed, rows)
+        for seq, count in chunks:
+            seq.prefilled += count
+            self._computed_tokens += count
+            self.blocks.commit(seq.key, seq.context[: seq.prefilled])
+        if not done:
+            return
+        if masks is not None:
+            logits = self.grammars().apply(logits, list(matchers), masks)
+        draws = [seq.draw() for seq in done]
+        picks = sample_rows(logits, draws)
+        records = logprob_records(logits, picks, draws, [seq.request.logprobs for seq in done])
+        for seq, token, record in zip(done, picks, records, strict=True):
             self._emit(seq, token, events, record)
 
     def _emit(

@@ -20,6 +20,7 @@ error at start.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -85,6 +86,15 @@ class Pages(NamedTuple):
     tables: torch.Tensor  # [rows, width] block ids; a short row is padded with any block
     length: int  # positions read: width * block_size (a gather) or the row's length (a run)
     run: int | None  # first cache slot of a one-row contiguous table
+
+
+class Chunk(NamedTuple):
+    """Part of one sequence's context to prefill: `tokens` at positions start.. of the
+    sequence whose blocks are `table` (the table must cover them)."""
+
+    table: list[int]
+    start: int
+    tokens: torch.Tensor  # [count] token ids
 
 
 class LlamaRunner:
@@ -203,35 +213,82 @@ class LlamaRunner:
     ) -> torch.Tensor:
         """Put a chunk of one sequence's context (positions start.. of the sequence whose
         blocks are `table`) in the cache -> logits of its last token (or [count, vocab],
-        every position's, to score a text)."""
+        every position's, to score a text). The one-chunk case of prefill_packed."""
         count = tokens.shape[0]
-        end = start + count
-        pages = self.pages([table], end)
-        x = self.embed[tokens]
-        cos, sin = self.cos[start:end][:, None, :], self.sin[start:end][:, None, :]
-        positions = torch.arange(start, end, device=self.device)
-        writes = self._slots(pages.tables, positions[None, :])[0]
-        read = pages.length
-        span = torch.arange(read, device=self.device)
-        mask = (span[None, :] <= positions[:, None])[None, None, :, :]
+        rows = range(count) if every_position else [count - 1]
+        logits = self.prefill_packed([Chunk(table, start, tokens)], rows)
+        return logits if every_position else logits[0]
+
+    @torch.inference_mode()
+    def prefill_packed(self, chunks: list[Chunk], rows: Sequence[int]) -> torch.Tensor:
+        """Put every chunk in the cache in one forward pass -> logits [len(rows), vocab] of
+        the given rows of the packed tokens (chunk after chunk, in order; no rows, no
+        lm_head: a chunk that does not end its prompt samples nothing).
+
+        The products (qkv, o, the MLP) run once over all the chunks' tokens; attention
+        runs per chunk, its queries over its own sequence's cached prefix and itself
+        (causal), read through its own table. A loop rather than one masked product over
+        every chunk's keys: that product grows as (tokens x all chunks' keys), and for
+        short chunks the loop's fixed costs are small beside the products (engine.md).
+        """
+        total = sum(chunk.tokens.shape[0] for chunk in chunks)
+        if total == 0:
+            raise ValueError("prefill_packed needs at least one token")
+        x = self.embed[torch.cat([chunk.tokens for chunk in chunks])]
+        spans = []
+        for chunk in chunks:
+            count = chunk.tokens.shape[0]
+            end = chunk.start + count
+            pages = self.pages([chunk.table], end)
+            positions = torch.arange(chunk.start, end, device=self.device)
+            writes = self._slots(pages.tables, positions[None, :])[0]
+            span = torch.arange(pages.length, device=self.device)
+            mask = (span[None, :] <= positions[:, None])[None, None, :, :]
+            spans.append((count, pages, writes, mask))
+        positions = torch.cat(
+            [torch.arange(c.start, c.start + c.tokens.shape[0]) for c in chunks]
+        ).to(self.device)
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        writes = torch.cat([span[2] for span in spans])
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(x, layer, cos, sin)
             k_cache, v_cache = self.k_cache[index], self.v_cache[index]
             k_cache[:, writes] = k.transpose(0, 1)
             v_cache[:, writes] = v.transpose(0, 1)
-            keys, values = self._read(k_cache, pages, 0), self._read(v_cache, pages, 1)
-            attn = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],
-                keys.reshape(1, self.kv_heads, read, self.head_dim),
-                values.reshape(1, self.kv_heads, read, self.head_dim),
-                attn_mask=mask,
-                enable_gqa=True,
-                scale=1.0,  # the query weights carry 1/sqrt(head_dim)
-            )
-            attn = attn[0].transpose(0, 1).reshape(count, self._q_size).to(self.dtype)
-            x = x + layer.o(attn)
+            parts, first = [], 0
+            for count, pages, _, mask in spans:
+                queries = q[first : first + count]
+                parts.append(self._attend_chunk(queries, k_cache, v_cache, pages, mask))
+                first += count
+            attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+            x = x + layer.o(attn.to(self.dtype))
             x = x + self._mlp(x, layer)
-        return self._logits(x) if every_position else self._logits(x[-1:])[0]
+        if not rows:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        picked = torch.tensor(list(rows), device=self.device)
+        return self._logits(x[picked])
+
+    def _attend_chunk(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        pages: Pages,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention of one chunk's queries q [count, heads, dim] (already scaled) over its
+        sequence's keys and values up to each query's position -> [count, heads * dim]."""
+        count, read = q.shape[0], pages.length
+        keys, values = self._read(k_cache, pages, 0), self._read(v_cache, pages, 1)
+        attn = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            keys.reshape(1, self.kv_heads, read, self.head_dim),
+            values.reshape(1, self.kv_heads, read, self.head_dim),
+            attn_mask=mask,
+            enable_gqa=True,
+            scale=1.0,  # the query weights carry 1/sqrt(head_dim)
+        )
+        return attn[0].transpose(0, 1).reshape(count, self._q_size)
 
     def _row_groups(self, pages: Pages, rows: int) -> list[tuple[int, Pages]]:
         """(first row, its Pages) of each group of rows attended together: all rows at
