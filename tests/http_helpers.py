@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import requests
 import trio
 
 from adapters.cli.serve import ServeOptions, Serving, serve
@@ -88,3 +89,8 @@ def chat_body(content: str = "hello", **fields: Any) -> dict[str, Any]:
     (a sampled request without a seed gets a random one at the server)."""
     body = {"model": "fake", "messages": [{"role": "user", "content": content}], "temperature": 0}
     return body | fields
+
+
+def post_json(server: ServerThread, path: str, payload: Any) -> requests.Response:
+    """POST `payload` as JSON to `path` of a running server."""
+    return requests.post(f"{server.base_url}{path}", json=payload, timeout=30)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import trio
 
@@ -56,3 +58,13 @@ async def raw_connection(port: int, payload: bytes, timeout_s: float = 5) -> byt
             received += chunk
     await sock.aclose()
     return received
+
+
+def kill_all(processes: Iterable[subprocess.Popen[Any] | None]) -> None:
+    """Kill what is still running of these processes (None: never started) and reap them."""
+    for process in processes:
+        if process is None:
+            continue
+        if process.poll() is None:
+            process.kill()
+        process.wait(10)

@@ -39,19 +39,24 @@ VOCAB = 97
 PROMPTS = [(1, 2, 3, 4, 5, 6, 7), (9, 8), tuple(range(11, 30))]
 
 
-@pytest.fixture(scope="module")
-def tiny() -> LlamaForCausalLM:
+def tiny_llama(vocab: int = VOCAB, positions: int = 128) -> LlamaForCausalLM:
+    """A two-layer random llama (seed 0) for tests that need a real forward pass."""
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=128,
+        max_position_embeddings=positions,
     )
     return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LlamaForCausalLM:
+    return tiny_llama()
 
 
 def engine(model: LlamaForCausalLM, eos: frozenset[int] = frozenset(), **limits: int) -> Engine:

@@ -12,14 +12,14 @@ from typing import Any
 import llguidance
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from adapters.engine.engine import Engine
 from adapters.engine.grammar import GrammarError, forbidden_penalty, json_schema_grammar
 from adapters.engine.model import LoadedModel
 from core.batching import BatchLimits
 from core.protocol import Assignment, Constraint, GenerationRequest, Sampling
-from tests.test_engine import PROMPTS, VOCAB, run
+from tests.test_engine import PROMPTS, VOCAB, run, tiny_llama
 
 EOS = 95
 SCHEMA = {
@@ -52,24 +52,19 @@ def text(tokens: list[int | str]) -> str:
     return "".join(chr(t + 32) for t in tokens if isinstance(t, int) and t < EOS)
 
 
+def byte_level() -> Any:
+    """llguidance's tokenizer for the byte vocabulary of ByteTokens."""
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(ByteTokens()))
+
+
 @pytest.fixture(scope="module")
 def tiny() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(VOCAB, 256)
 
 
 @pytest.fixture(scope="module")
 def byte_tokenizer() -> Any:
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(ByteTokens()))
+    return byte_level()
 
 
 def engine(model: LlamaForCausalLM, tokenizer: Any, kv_cache_tokens: int = 4096) -> Engine:

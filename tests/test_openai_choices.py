@@ -11,11 +11,11 @@ from typing import Any
 
 import openai
 import pytest
-import requests
 
 from adapters.cli.serve import ServeOptions
 from adapters.runtime.worker_host import FakeDecoder
 from tests.http_helpers import ServerThread, chat_body, sse_events
+from tests.http_helpers import post_json as post
 from tests.test_openai_completions import body as completion_body
 from tests.test_openai_completions import expected as expected_completion
 from tests.test_openai_completions import streamed_choices
@@ -29,10 +29,6 @@ COMPLETIONS = "/v1/completions"
 def server() -> Iterator[ServerThread]:
     with ServerThread(ServeOptions(port=0, fake=True)) as running:
         yield running
-
-
-def post(server: ServerThread, path: str, payload: Any) -> requests.Response:
-    return requests.post(f"{server.base_url}{path}", json=payload, timeout=30)
 
 
 def chat_choices(server: ServerThread, stream: bool, **fields: Any) -> tuple[list[str], Any]:

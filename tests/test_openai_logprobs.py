@@ -20,6 +20,7 @@ from adapters.openai.normalize import ChatMessage, choice_seed
 from core.fake_model import FakeContext, reference_output
 from core.protocol import GenerationRequest, Sampling, TokenLogprob
 from tests.http_helpers import ServerThread, chat_body, sse_events
+from tests.http_helpers import post_json as post
 
 MODEL = FakeChatModel("fake", 2048)
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -29,10 +30,6 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 def server() -> Iterator[ServerThread]:
     with ServerThread(ServeOptions(port=0, fake=True)) as running:
         yield running
-
-
-def post(server: ServerThread, path: str, payload: Any) -> requests.Response:
-    return requests.post(f"{server.base_url}{path}", json=payload, timeout=30)
 
 
 def reference(

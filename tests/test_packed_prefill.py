@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import llguidance
 import msgspec
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from adapters.engine.engine import Engine, logprob_records, sample_rows
 from adapters.engine.llama import Chunk
@@ -26,7 +25,8 @@ from core.protocol import (
     GenerationRequest,
     Sampling,
 )
-from tests.test_engine_grammar import EOS, GRAMMAR, ByteTokens
+from tests.test_engine import tiny_llama
+from tests.test_engine_grammar import EOS, GRAMMAR, byte_level
 
 VOCAB = 97
 SHARED = tuple(range(40, 72))  # two blocks of 16: a prefix-cache hit for whoever follows
@@ -67,22 +67,12 @@ class Packing(Engine):
 
 @pytest.fixture(scope="module")
 def tiny() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(VOCAB, 256)
 
 
 @pytest.fixture(scope="module")
 def byte_tokenizer() -> Any:
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(ByteTokens()))
+    return byte_level()
 
 
 def events(eng: Engine, waves: list[list[GenerationRequest]]) -> list[DecoderEvent]:

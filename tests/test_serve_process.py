@@ -18,6 +18,7 @@ import pytest
 import requests
 
 from tests.http_helpers import chat_body, sse_events
+from tests.runtime_helpers import kill_all
 
 
 class LogWatcher:
@@ -93,11 +94,7 @@ def test_serve_with_a_remote_worker_then_sigterm_drains_and_exits_0(tmp_path: Pa
         with pytest.raises(requests.ConnectionError):
             requests.get(f"{base}/health", timeout=5)
     finally:
-        for process in (serve, worker):
-            if process is not None and process.poll() is None:
-                process.kill()
-            if process is not None:
-                process.wait(10)
+        kill_all((serve, worker))
 
 
 def start_cluster(*serve_flags: str) -> tuple[subprocess.Popen[str], LogWatcher, str, str]:
@@ -162,11 +159,7 @@ def test_kill_9_mid_stream_the_sdk_stream_resumes_on_the_other_worker(resume: bo
         metrics = requests.get(f"{base}/metrics", timeout=10).text
         assert 'fencepost_requests_total{outcome="length"} 1.0' in metrics
     finally:
-        for process in (serve, first, second):
-            if process is not None and process.poll() is None:
-                process.kill()
-            if process is not None:
-                process.wait(10)
+        kill_all((serve, first, second))
 
 
 def undisturbed_entries(content: str, tokens: int, seed: int, choice: int) -> list[dict[str, Any]]:
@@ -235,8 +228,4 @@ def test_kill_9_mid_stream_resumed_choices_keep_their_tokens_and_logprobs(n: int
         assert f"fencepost_stream_resumes {float(n)}" in metrics  # each choice resumed
         assert first.wait(10) == -signal.SIGKILL
     finally:
-        for process in (serve, first, second):
-            if process is not None and process.poll() is None:
-                process.kill()
-            if process is not None:
-                process.wait(10)
+        kill_all((serve, first, second))

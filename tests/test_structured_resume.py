@@ -11,6 +11,7 @@ import subprocess
 import openai
 import requests
 
+from tests.runtime_helpers import kill_all
 from tests.test_serve_process import LogWatcher, fencepost, healthy_workers, wait_for
 
 SCHEMA = {
@@ -78,7 +79,4 @@ def test_kill_9_mid_json_schema_stream_resumes_to_the_same_valid_json() -> None:
         answer = json.loads(text)
         assert len(answer["scores"]) == 12 and isinstance(answer["done"], bool)
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-            process.wait(10)
+        kill_all(processes)
