@@ -43,8 +43,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Die quietly when the reader of a long trace goes away (`| head`).
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    if argv is None:  # the command itself, not a call from Python (a test, a script)
+        # Die quietly when the reader of a long trace goes away (`| head`); a process
+        # that only calls main() keeps Python's BrokenPipeError for its own sockets.
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args = parser().parse_args(argv)
     [module] = [module for name, _, module in COMMANDS if name == args.command]
     return module.run(args)
