@@ -45,6 +45,7 @@ compile, or a prefix or token it rejects, fails that request alone.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -56,7 +57,7 @@ import torch
 from llguidance import LLMatcher
 
 from adapters.engine.choose import choose
-from adapters.engine.grammar import FORBIDDEN, GrammarError, Grammars, tokenizer_for
+from adapters.engine.grammar import GrammarError, Grammars, tokenizer_for
 from adapters.engine.llama import DEFAULT_BLOCK_SIZE, Chunk, LlamaRunner
 from adapters.engine.model import LoadedModel, say
 from adapters.engine.sampling import TokenDraw, sample, sample_whole
@@ -73,6 +74,9 @@ from core.protocol import (
     TokenLogprob,
 )
 
+# Below this a reported log probability is a grammar's forbidden token: no real logit
+# gap comes near it, and the penalty (grammar.py) puts such tokens near -1.7e38.
+FORBIDDEN_LOGPROB = -1e30
 DEFAULT_KV_CACHE_TOKENS = 16 * 2048  # the memory of 16 sequences of 2048 tokens
 REPORTED_KEYS = 256  # chain keys in each CacheReport
 # The keys are listed again at most this often: with a full cache the listing costs
@@ -459,32 +463,42 @@ def logprob_records(
 
     The distribution reported is the one the row's token is drawn from, before
     top_p truncation: log_softmax(logits / temperature), temperature 1 for a
-    greedy row. A token a grammar forbids (its logit pushed below FORBIDDEN, see
-    grammar.py) is -inf, so the rest renormalise among themselves, as the draw
-    does. One log_softmax,
-    one topk and one copy to the host for every asking row together.
+    greedy row. A token a grammar forbids (its logit pushed down by grammar.py's
+    penalty) adds nothing to the normaliser, so the rest renormalise among
+    themselves, as the draw does, and reads -inf if it is among the top k.
+
+    Cost, for every asking row together: one logsumexp and one topk over the
+    scaled logits (the log-probabilities are those minus the logsumexp, so the
+    full log_softmax is never written out) and one copy to the host.
     """
     asking = [row for row, top in enumerate(tops) if top is not None]
     if not asking:
         return [None] * len(tops)
     device = logits.device
-    rows = torch.tensor(asking, device=device)
+    scores = logits if len(asking) == len(tops) else logits[torch.tensor(asking, device=device)]
+    scores = scores.float()
     scale = [draws[r].temperature if draws[r].temperature > 0 else 1.0 for r in asking]
-    scores = logits[rows].float() / torch.tensor(scale, device=device)[:, None]
-    scores = scores.masked_fill(logits[rows] <= FORBIDDEN, float("-inf"))
-    logprobs = torch.log_softmax(scores, dim=-1).clamp_max_(0.0)
-    chosen = logprobs.gather(1, torch.tensor([[picks[r]] for r in asking], device=device))
-    k = min(max(tops[r] or 0 for r in asking), logprobs.shape[-1])
-    values, ids = torch.topk(logprobs, k, dim=-1)  # most likely first
+    if any(t != 1.0 for t in scale):
+        scores = scores / torch.tensor(scale, device=device)[:, None]
+    norm = torch.logsumexp(scores, dim=-1, keepdim=True)
+    chosen = scores.gather(1, torch.tensor([[picks[r]] for r in asking], device=device)) - norm
+    k = min(max(tops[r] or 0 for r in asking), scores.shape[-1])
+    values, ids = torch.topk(scores, k, dim=-1)  # most likely first
     # Ids travel as float32, exact below 2**24 (vocabularies are far smaller).
-    table = torch.cat([chosen, values, ids.float()], dim=1).tolist()
+    table = torch.cat([chosen, values - norm, ids.float()], dim=1).tolist()
     records: list[TokenLogprob | None] = [None] * len(tops)
     for row, line in zip(asking, table, strict=True):
         top = min(tops[row] or 0, k)
         values_ids = zip(line[1 : 1 + top], line[1 + k : 1 + k + top], strict=True)
-        pairs = tuple((int(i), v) for v, i in values_ids)
-        records[row] = TokenLogprob(line[0], pairs)
+        pairs = tuple((int(i), _logprob(v)) for v, i in values_ids)
+        records[row] = TokenLogprob(_logprob(line[0]), pairs)
     return records
+
+
+def _logprob(value: float) -> float:
+    """A log probability as reported: at most 0 (rounding may pass it), and -inf for a
+    token a grammar forbids (its value is then near float32's lowest)."""
+    return -math.inf if value <= FORBIDDEN_LOGPROB else min(value, 0.0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -152,9 +152,6 @@ class Penalty(NamedTuple):
 
 
 _BITS = torch.arange(32, dtype=torch.int32)
-FORBIDDEN = torch.finfo(torch.float32).min / 4
-"""A masked logit is at most this (forbidden_penalty's half of the lowest value,
-plus a real logit); no real logit comes near it."""
 
 
 def forbidden_penalty(bitmask: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
