@@ -48,7 +48,9 @@ class ChunkByChunk(Engine):
             if seq.prefilled == len(context):
                 logits = logits[None]
                 if seq.matcher is not None:
-                    logits = self.grammars().mask(logits, [0], [seq.matcher])
+                    grammars = self.grammars()
+                    pending = grammars.penalties([seq.matcher], logits.shape[-1])
+                    logits = grammars.apply(logits, [0], pending)
                 draws = [seq.draw()]
                 [token] = sample_rows(logits, draws)
                 [record] = logprob_records(logits, [token], draws, [seq.request.logprobs])

@@ -50,6 +50,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +58,7 @@ import torch
 from llguidance import LLMatcher
 
 from adapters.engine.choose import choose
-from adapters.engine.grammar import GrammarError, Grammars, tokenizer_for
+from adapters.engine.grammar import GrammarError, Grammars, Penalty, tokenizer_for
 from adapters.engine.llama import DEFAULT_BLOCK_SIZE, Chunk, LlamaRunner
 from adapters.engine.model import LoadedModel, say
 from adapters.engine.sampling import TokenDraw, sample, sample_whole
@@ -354,10 +355,9 @@ class Engine:
 
     def _next_block(self, seq: _Sequence) -> int | None:
         """The chain key of the first full block of seq's context not in the cache."""
-        size = self.blocks.block_size
-        found = self.blocks.cached_prefix(seq.context) // size
-        keys = chain_hashes(seq.context, size, found + 1)
-        return keys[found] if len(keys) > found else None
+        found = self.blocks.cached_prefix(seq.context) // self.blocks.block_size
+        chain = self._chain(seq)
+        return chain[found] if len(chain) > found else None
 
     def _decode(self, seqs: list[_Sequence], events: list[DecoderEvent]) -> None:
         device = self.device
@@ -365,23 +365,12 @@ class Engine:
         pages = self.runner.pages([self.blocks.table(seq.key) for seq in seqs], max(where) + 1)
         positions = torch.tensor(where, device=device)
         tokens = torch.tensor([s.generation.output[-1] for s in seqs], device=device)
-        matchers = {row: seq.matcher for row, seq in enumerate(seqs) if seq.matcher is not None}
-        constrained = list(matchers)
-        masks = None  # computed on the grammar thread during the forward pass
-        if matchers:
-            masks = self.grammars().penalties(list(matchers.values()), self.runner.vocab_size)
+        masks = self._masks(seqs)
         logits = self.runner.decode(pages, positions, tokens)
         for seq, position in zip(seqs, where, strict=True):
             if (position + 1) % self.blocks.block_size == 0:  # it filled a block
                 self.blocks.commit(seq.key, seq.written(position + 1))
-        if masks is not None:
-            logits = self.grammars().apply(logits, constrained, masks)
-        # From here on the logits are masked: the distribution drawn from and reported.
-        draws = [seq.draw() for seq in seqs]
-        picks = sample_rows(logits, draws)
-        records = logprob_records(logits, picks, draws, [seq.request.logprobs for seq in seqs])
-        for seq, token, record in zip(seqs, picks, records, strict=True):
-            self._emit(seq, token, events, record)
+        self._choose(seqs, logits, masks, events)
 
     def _prefill(self, chunks: list[tuple[_Sequence, int]], events: list[DecoderEvent]) -> None:
         """Every prefill chunk of the step in one forward pass; the sequences whose
@@ -396,23 +385,40 @@ class Engine:
             if seq.prefilled + count == len(seq.context):
                 rows.append(first - 1)
                 done.append(seq)
-        matchers = {row: seq.matcher for row, seq in enumerate(done) if seq.matcher is not None}
-        masks = None  # the first tokens' masks, computed on the grammar thread meanwhile
-        if matchers:
-            masks = self.grammars().penalties(list(matchers.values()), self.runner.vocab_size)
+        masks = self._masks(done)
         logits = self.runner.prefill_packed(packed, rows)
         for seq, count in chunks:
             seq.prefilled += count
             self._computed_tokens += count
             self.blocks.commit(seq.key, seq.context[: seq.prefilled])
-        if not done:
-            return
+        if done:
+            self._choose(done, logits, masks, events)
+
+    def _masks(self, seqs: list[_Sequence]) -> tuple[list[int], Future[Penalty]] | None:
+        """Start the grammar masks of the constrained rows among seqs (row numbers, and
+        the penalties the grammar thread computes while the forward pass runs)."""
+        held = [(row, seq.matcher) for row, seq in enumerate(seqs) if seq.matcher is not None]
+        if not held:
+            return None
+        matchers = [matcher for _, matcher in held]
+        return [row for row, _ in held], self.grammars().penalties(matchers, self.runner.vocab_size)
+
+    def _choose(
+        self,
+        seqs: list[_Sequence],
+        logits: torch.Tensor,
+        masks: tuple[list[int], Future[Penalty]] | None,
+        events: list[DecoderEvent],
+    ) -> None:
+        """Each row's next token (and logprob record) from its logits [rows, vocab],
+        masked first where a grammar holds the row: masked logits are both the
+        distribution drawn from and the one reported."""
         if masks is not None:
-            logits = self.grammars().apply(logits, list(matchers), masks)
-        draws = [seq.draw() for seq in done]
+            logits = self.grammars().apply(logits, *masks)
+        draws = [seq.draw() for seq in seqs]
         picks = sample_rows(logits, draws)
-        records = logprob_records(logits, picks, draws, [seq.request.logprobs for seq in done])
-        for seq, token, record in zip(done, picks, records, strict=True):
+        records = logprob_records(logits, picks, draws, [seq.request.logprobs for seq in seqs])
+        for seq, token, record in zip(seqs, picks, records, strict=True):
             self._emit(seq, token, events, record)
 
     def _emit(

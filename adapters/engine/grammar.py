@@ -117,15 +117,6 @@ class Grammars:
         penalty = forbidden_penalty(bitmask, vocab, torch.float32)
         return Penalty(penalty, time.perf_counter() - began)
 
-    def mask(
-        self, logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[llguidance.LLMatcher]
-    ) -> torch.Tensor:
-        """logits [rows, vocab] with every token the row's matcher forbids pushed down,
-        for the given rows (the others as they were), computed now."""
-        if not rows:
-            return logits
-        return self.apply(logits, rows, self.penalties(matchers, logits.shape[-1]))
-
     def apply(
         self, logits: torch.Tensor, rows: Sequence[int], pending: Future[Penalty]
     ) -> torch.Tensor:
