@@ -23,6 +23,7 @@ docs/design/structured.md.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -33,6 +34,7 @@ import llguidance
 import torch
 
 GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept, least recently used dropped first
+VALIDATIONS_CACHED = 256  # grammar texts whose validation (at the HTTP boundary) is kept
 
 
 class GrammarError(ValueError):
@@ -50,8 +52,10 @@ def tokenizer_for(hf_tokenizer: Any, vocab_size: int, eos_ids: Iterable[int]) ->
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos or None)
 
 
+@functools.lru_cache(maxsize=VALIDATIONS_CACHED)
 def validate(grammar: str) -> str | None:
-    """Why the grammar cannot be used (no tokenizer needed), or None when it can."""
+    """Why the grammar cannot be used (no tokenizer needed), or None when it can.
+    Cached by text: a client that repeats a schema pays once."""
     error = llguidance.LLMatcher.validate_grammar(grammar)
     return error or None
 

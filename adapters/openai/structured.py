@@ -12,12 +12,12 @@ The shape is checked as OpenAI checks it (name: 1-64 of a-z, A-Z, 0-9, _ and
 schema the grammar engine cannot enforce (an unimplemented keyword such as
 `uniqueItems`, an unknown format, a broken $ref or pattern) is a 400 naming the
 problem before anything is queued, never a failed stream. Validations are
-cached by grammar text: a client repeating a schema pays once.
+cached by grammar text (grammar.validate, shared with the tool schemas): a
+client repeating a schema pays once.
 """
 
 from __future__ import annotations
 
-import functools
 import re
 from typing import Any
 
@@ -28,7 +28,6 @@ from core.protocol import MAX_GRAMMAR_BYTES, Constraint
 PARAM = "response_format"
 TYPES = ("text", "json_object", "json_schema")
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_VALIDATIONS_CACHED = 256
 
 
 def response_format(value: object) -> Constraint | OpenAIError | None:
@@ -78,7 +77,6 @@ def _constraint(schema: dict[str, Any] | None) -> Constraint | OpenAIError:
     return Constraint(grammar)
 
 
-@functools.lru_cache(maxsize=_VALIDATIONS_CACHED)
 def _problem(grammar: str) -> str | None:
     problem = validate(grammar)
     return None if problem is None else " ".join(problem.split())  # one line

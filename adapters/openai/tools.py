@@ -27,6 +27,7 @@ from typing import Any, Literal
 import msgspec
 from llguidance import LLMatcher
 
+from adapters.engine.grammar import validate
 from adapters.openai.errors import OpenAIError, invalid
 
 CALL_START = "<tool_call>"
@@ -189,7 +190,7 @@ def _schema_error(schema: dict[str, Any]) -> str:
         text = json.dumps(schema)
     except RecursionError:  # the body decoded, but a deep stack leaves less room here
         return "the schema is nested too deeply"
-    error = LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(f"start: %json {text}"))
+    error = validate(LLMatcher.grammar_from_lark(f"start: %json {text}"))
     if not error:
         return ""
     detail = error.split("\n")[0]
