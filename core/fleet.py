@@ -91,6 +91,7 @@ class WorkerView(Struct, frozen=True):
     max_context: int
     placed: int = 0  # attempts offered to this worker id
     cache: CacheReport | None = None  # its latest cache report, as received
+    others: int = 0  # slots its last heartbeat counts as taken by other routers' work
 
 
 @dataclass(slots=True)
@@ -120,6 +121,14 @@ class WorkerRecord:
     cache_keys: frozenset[int] = frozenset()  # cache.keys, as a set
     cache_seen_at: float = 0.0  # when that heartbeat arrived
     placed: int = 0  # attempts offered to this worker id, over the router's life
+    # Slots taken by other routers' work, as the last heartbeat (or a decline for want
+    # of a slot) tells: the slots it reports in use that are not this router's.
+    others: int = 0
+
+    @property
+    def capacity(self) -> int:
+        """Slots this router may count on: the worker's, less what others hold."""
+        return self.slots - self.others
 
     @property
     def healthy(self) -> bool:
@@ -204,6 +213,9 @@ class Fleet:
         worker.cache_seen_at = self.now
         worker.slots = beat.slots
         worker.free_slots = beat.free_slots
+        # Heartbeats list only this router's assignments; the rest of the slots the
+        # worker reports taken are other routers' (several routers, one worker).
+        worker.others = max(0, beat.slots - beat.free_slots - len(beat.active))
         worker.max_context = beat.max_context
         worker.expires_at = self.now + self.config.heartbeat_timeout_s
         self._move_health(worker, event)
@@ -278,6 +290,13 @@ class Fleet:
                 requests.resend(record.request_id, out)
             else:
                 requests.dropped(record.request_id, out)
+
+    def full(self, worker_id: str, epoch: int) -> None:
+        """The worker declined an offer for want of a slot (other routers' work fills
+        it): count it full, for this router, until its next heartbeat says otherwise."""
+        worker = self.workers.get(worker_id)
+        if worker is not None and worker.epoch == epoch:
+            worker.others = max(worker.others, worker.slots - len(worker.holds))
 
     def progress_missed(self, worker_id: str) -> None:
         """An assignment on the worker missed its progress deadline: no offers for now."""
@@ -392,7 +411,7 @@ class Fleet:
         best_key: tuple[bool, float, int, str] | None = None
         aware = self.config.routing == "cache-aware"
         for worker in self.fitting(context_tokens):
-            if worker.worker_id == exclude or len(worker.holds) >= worker.slots:
+            if worker.worker_id == exclude or len(worker.holds) >= worker.capacity:
                 continue
             prefill = len(context.tokens) - (self.cached_tokens(worker, context) if aware else 0)
             predicted = 0.0
@@ -440,6 +459,7 @@ class Fleet:
                 max_context=w.max_context,
                 placed=w.placed,
                 cache=w.cache,
+                others=w.others,
             )
             for w in self.workers.values()
         )

@@ -32,15 +32,27 @@ ErrorKind = Literal["no_worker", "overloaded", "worker_lost", "failed", "cancell
 """Terminal error outcomes a client can see; the HTTP layer maps each to a status."""
 
 DeclineReason = Literal[
-    "wrong_worker", "stale_epoch", "stale_attempt", "no_slot", "context_length", "cancelled"
-]
+    "wrong_worker", "stale_epoch", "stale_attempt", "no_slot", "context_length", "cancelled",
+    "wrong_router",
+]  # fmt: skip
 
 
-class Assignment(Struct, frozen=True, array_like=True):
-    """One attempt at one request. Attempt numbers start at 1 and only grow."""
+RouterId = Annotated[str, Meta(max_length=64)]
+
+
+class Assignment(Struct, frozen=True, array_like=True, omit_defaults=True):
+    """One attempt at one request. Attempt numbers start at 1 and only grow.
+
+    `router` names the router (one incarnation of it) that made the attempt.
+    Several routers may share a worker and number their requests independently,
+    so a worker tells their assignments apart, and fences each router's
+    messages to that router's own assignments, by this field. A lone router
+    may leave it empty (it then costs no byte on the wire).
+    """
 
     request_id: RequestId
     attempt: Positive
+    router: RouterId = ""
 
 
 class Sampling(Struct, frozen=True):
@@ -255,10 +267,13 @@ class Register(WireMessage, frozen=True):
 
 
 class Registered(WireMessage, frozen=True):
-    """Router -> worker: serve under this epoch (the router's, never a host clock's)."""
+    """Router -> worker: serve under this epoch (the router's, never a host clock's).
+    router_id is the router's identity: its assignments carry it, and a worker
+    linked to several routers keys each link by it."""
 
     worker_id: WorkerId
     epoch: Count
+    router_id: RouterId = ""
 
 
 class Refused(WireMessage, frozen=True):
@@ -410,7 +425,26 @@ class WorkerStart(Struct, frozen=True):
 
 
 class FromRouterMessage(Struct, frozen=True):
+    """A frame that arrived on the link to router `router_id`."""
+
     message: ToWorker
+    router_id: str = ""
+
+
+class RouterLinked(Struct, frozen=True):
+    """A connection to router `router_id` registered: serve it under `epoch`.
+    A link that router already had is over (its assignments end first)."""
+
+    router_id: str
+    epoch: int
+
+
+class RouterUnlinked(Struct, frozen=True):
+    """The connection to router `router_id` is gone (closed, broken, or the router
+    died): what that router's assignments were for, nobody will receive."""
+
+    router_id: str
+    reason: str = ""
 
 
 class Decoded(Struct, frozen=True):
@@ -445,11 +479,15 @@ DecoderEvent = Decoded | DecodeDone | DecoderFailed
 
 WorkerEvent = (
     WorkerStart | FromRouterMessage | Decoded | DecodeDone | DecoderFailed | Drain | TimerFired
-)
+    | RouterLinked | RouterUnlinked
+)  # fmt: skip
 
 
 class SendToRouter(Struct, frozen=True):
+    """A frame for the link to router `router_id`."""
+
     message: FromWorker
+    router_id: str = ""
 
 
 class StartDecode(Struct, frozen=True):

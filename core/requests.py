@@ -64,6 +64,7 @@ class RequestRecord:
     worker_id: str | None = None
     tokens: list[int] = field(default_factory=list)  # what the client has, for a resume
     resumes: int = 0
+    full: int = 0  # attempts declined for want of a slot (other routers' work): not failures
     tried: set[str] = field(default_factory=set)
     finish: Finished | None = None  # a finish that arrived before all its tokens
     resend_at: float | None = None  # when the last Resend for it was sent
@@ -181,6 +182,14 @@ class Requests:
             return
         if result.accepted:
             self._accept(req, out)
+        elif result.reason == "no_slot":
+            # The worker is full: with routers sharing workers, that is other routers'
+            # work, not a fault. No offers there until its next heartbeat, and the
+            # request is placed again without spending an attempt.
+            self._release(req, out)
+            self.fleet.full(worker_id, result.epoch)
+            req.full += 1
+            self._attempt_lost(req, "no_worker", f"declined: {result.reason}", out)
         else:
             self._release(req, out)
             self._attempt_lost(req, "no_worker", f"declined: {result.reason}", out)
@@ -340,7 +349,7 @@ class Requests:
         worker, prefill = placement
         req.phase = REQUEST.next(req.phase, E.OFFER_SENT)
         req.attempt += 1
-        assignment = Assignment(req.request.request_id, req.attempt)
+        assignment = Assignment(req.request.request_id, req.attempt, self.config.router_id)
         req.active = assignment
         req.worker_id = worker.worker_id
         req.tried.add(worker.worker_id)
@@ -362,7 +371,7 @@ class Requests:
         if req.delivered > 0:
             self._resume(req, kind, message, failed_worker, out)
             return
-        if req.attempt >= self.config.max_attempts:
+        if req.attempt - req.full >= self.config.max_attempts:
             # Nothing reached the client, so no worker was lost *to it*: no worker could serve it.
             self._give_up(
                 req, "no_worker", f"{message} (gave up after {req.attempt} attempts)", out

@@ -84,6 +84,10 @@ FenceReason = Literal[
 
 
 class RouterConfig(Struct, frozen=True):
+    # This router's identity, carried by every assignment it makes. Routers that
+    # share workers need distinct ones (a restarted router, a new one): the runtime
+    # draws it at start. A lone router may leave it empty.
+    router_id: str = ""
     offer_timeout_s: float = 2.0
     heartbeat_timeout_s: float = 3.0
     resend_interval_s: float = 0.1  # at most one Resend per request this often

@@ -254,6 +254,7 @@ class AssignmentEvent(enum.StrEnum):
     SUPERSEDED = "superseded"  # the router offered a newer attempt of the same request
     DECODER_FAILED = "decoder_failed"
     DECODER_SKIPPED = "decoder_skipped"  # the decoder's output skipped an index: stop it
+    ROUTER_LOST = "router_lost"  # the link to the router that made it is gone
 
 
 A, AE = AssignmentState, AssignmentEvent
@@ -269,6 +270,7 @@ ASSIGNMENT = Table[AssignmentState, AssignmentEvent](
         (A.ACTIVE, AE.SUPERSEDED): A.ENDED,
         (A.ACTIVE, AE.DECODER_FAILED): A.ENDED,
         (A.ACTIVE, AE.DECODER_SKIPPED): A.ENDED,
+        (A.ACTIVE, AE.ROUTER_LOST): A.ENDED,
     },
     WorkerMisuse,
 )

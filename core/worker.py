@@ -27,6 +27,19 @@ if it names an active assignment and carries the next index; anything else
 dropped and counted. A skipped index is worse than noise: the token at the
 index skipped never reaches anyone, so the assignment is stopped and ends
 as failed rather than finishing short.
+
+Several routers
+---------------
+A worker may serve several routers at once, one link each (`_links`): each
+router hands out its own epoch for the worker at registration (RouterLinked)
+and sees its own heartbeats, with its own epoch, sequence numbers and its own
+assignments listed, and the free slots of the whole worker. Offers from
+different routers compete for the same slots: the worker accepts while it
+has one free and declines (no_slot) otherwise, so no router needs to know
+what the others hold. A router's messages are fenced to its own assignments
+(an assignment names its router), and losing a link (RouterUnlinked, or a
+new registration with that router) ends that router's assignments only;
+nothing is sent for them, as nobody is left to receive it.
 """
 
 from __future__ import annotations
@@ -55,6 +68,8 @@ from core.protocol import (
     Offer,
     OfferResult,
     Resend,
+    RouterLinked,
+    RouterUnlinked,
     SendToRouter,
     StartDecode,
     StopDecode,
@@ -62,6 +77,7 @@ from core.protocol import (
     Token,
     TokenLogprob,
     TokenRun,
+    ToWorker,
     WorkerEffect,
     WorkerEvent,
     WorkerStart,
@@ -74,8 +90,13 @@ S, E = AssignmentState, AssignmentEvent
 
 
 class WorkerConfig(Struct, frozen=True):
+    """`router` is the router linked from the start, at `epoch` ("" for a lone router
+    that leaves its assignments unnamed); None starts with no link: routers join
+    with RouterLinked."""
+
     worker_id: str
     epoch: int = 0
+    router: str | None = ""
     slots: int = 8
     max_context: int = 2048
     heartbeat_interval_s: float = 0.5
@@ -85,13 +106,22 @@ class WorkerConfig(Struct, frozen=True):
 
 class WorkerStatistics(Struct, frozen=True):
     worker_id: str
-    epoch: int
+    epoch: int  # the first link's (config.epoch when it has none)
     slots: int
     active: int
     accepted: int
     declined: dict[str, int]
     fenced: dict[str, int]
     tokens_sent: int
+    routers: dict[str, int] = {}  # router id -> the epoch its link serves under
+
+
+@dataclass(slots=True)
+class _Link:
+    """One router's link: the epoch it handed out, and the heartbeats sent on it."""
+
+    epoch: int
+    seq: int = 0
 
 
 @dataclass(slots=True)
@@ -118,7 +148,9 @@ class Worker:
         self._active: dict[Assignment, _Active] = {}
         self._answers: OrderedDict[Assignment, OfferResult] = OrderedDict()
         self._retained: OrderedDict[Assignment, tuple[_Active, Finished]] = OrderedDict()
-        self._seq = 0
+        self._links: dict[str, _Link] = {}
+        if config.router is not None:
+            self._links[config.router] = _Link(config.epoch)
         self._fenced: Counter[str] = Counter()
         self._declined: Counter[str] = Counter()
         self._accepted = 0
@@ -140,20 +172,24 @@ class Worker:
                     self._end(assignment, reason, E.DECODE_DONE, out)
                 else:
                     self._fenced["late_finish"] += 1
-            case FromRouterMessage(Offer() as offer):
-                self._on_offer(offer, out)
-            case FromRouterMessage(Cancel(assignment)):
-                self._on_cancel(assignment, out)
-            case FromRouterMessage(Resend(assignment, from_index)):
-                self._on_resend(assignment, from_index, out)
+            case FromRouterMessage(message, router):
+                self._from_router(message, router, out)
             case TimerFired(HeartbeatTimer()) | WorkerStart():
-                out.append(SendToRouter(self._heartbeat()))
+                self._heartbeats(out)
                 deadline = now + self.config.heartbeat_interval_s
                 out.append(ArmTimer(HeartbeatTimer(), deadline))
             case Drain():
                 # Offer no capacity from now on; the next heartbeat tells the router.
                 self.draining = True
-                out.append(SendToRouter(self._heartbeat()))
+                self._heartbeats(out)
+            case RouterLinked(router, epoch):
+                if router in self._links:  # re-registered: the router let the old link go
+                    self._unlink(router, out)
+                self._links[router] = link = _Link(epoch)
+                out.append(SendToRouter(self._heartbeat(router, link), router))
+            case RouterUnlinked(router):
+                if router in self._links:
+                    self._unlink(router, out)
             case DecoderFailed():
                 for assignment in list(self._active):
                     self._end(assignment, "failed", E.DECODER_FAILED, out)
@@ -170,6 +206,10 @@ class Worker:
             return S.UNSEEN  # never seen, or its answer has left the bounded table
         return S.ENDED if answer.accepted else S.DECLINED
 
+    def links(self) -> dict[str, int]:
+        """router id -> the epoch this worker serves that router under."""
+        return {router: link.epoch for router, link in self._links.items()}
+
     def holds(self) -> KeysView[Assignment]:
         """The assignments that occupy a slot right now (a live, read-only view)."""
         return self._active.keys()
@@ -177,14 +217,51 @@ class Worker:
     def statistics(self) -> WorkerStatistics:
         return WorkerStatistics(
             worker_id=self.config.worker_id,
-            epoch=self.config.epoch,
+            epoch=next(iter(self._links.values())).epoch if self._links else self.config.epoch,
             slots=self.config.slots,
             active=len(self._active),
             accepted=self._accepted,
             declined=dict(self._declined),
             fenced=dict(self._fenced),
             tokens_sent=self._tokens_sent,
+            routers=self.links(),
         )
+
+    def _from_router(self, message: ToWorker, router: str, out: list[WorkerEffect]) -> None:
+        link = self._links.get(router)
+        if link is None:
+            self._fenced["unlinked"] += 1  # a frame that outlived its link
+            return
+        if message.assignment.router != router:
+            # Each router acts on its own assignments only: one naming another
+            # router's is a bug or an impostor, and must not touch that router's work.
+            self._fenced["foreign_assignment"] += 1
+            if isinstance(message, Offer):  # answered, never remembered: not ours to decide
+                self._declined["wrong_router"] += 1
+                config = self.config
+                answer = OfferResult(
+                    config.worker_id, link.epoch, message.assignment, False, "wrong_router"
+                )
+                out.append(SendToRouter(answer, router))
+            return
+        match message:
+            case Offer() as offer:
+                self._on_offer(offer, link, out)
+            case Cancel(assignment):
+                self._on_cancel(assignment, link, out)
+            case Resend(assignment, from_index):
+                self._on_resend(assignment, from_index, out)
+
+    def _unlink(self, router: str, out: list[WorkerEffect]) -> None:
+        """The router's link is gone: its assignments end, with nothing sent, and what
+        was kept to answer it again goes (a frame of the old link that arrives on a new
+        one is judged afresh: an offer of the old epoch is declined as stale)."""
+        del self._links[router]
+        for assignment in [a for a in self._active if a.router == router]:
+            self._end(assignment, "cancelled", E.ROUTER_LOST, out, tell=False)
+        for kept in (self._answers, self._retained):
+            for assignment in [a for a in kept if a.router == router]:
+                del kept[assignment]
 
     def _on_decoded(
         self,
@@ -215,7 +292,7 @@ class Worker:
                 active.records.append(logprob)
             active.tokens.append(token_id)
             self._tokens_sent += 1
-            out.append(SendToRouter(Token(assignment, index, token_id, logprob)))
+            out.append(SendToRouter(Token(assignment, index, token_id, logprob), assignment.router))
 
     def _on_resend(self, assignment: Assignment, from_index: int, out: list[WorkerEffect]) -> None:
         active = self._active.get(assignment)
@@ -227,41 +304,39 @@ class Worker:
             return
         run = active.run_from(assignment, from_index)
         if run is not None:
-            out.append(SendToRouter(run))
+            out.append(SendToRouter(run, assignment.router))
         if finished is not None:
-            out.append(SendToRouter(finished))
+            out.append(SendToRouter(finished, assignment.router))
 
-    def _on_offer(self, offer: Offer, out: list[WorkerEffect]) -> None:
+    def _on_offer(self, offer: Offer, link: _Link, out: list[WorkerEffect]) -> None:
         assignment = offer.assignment
         answer = self._answers.get(assignment)
         if answer is None and assignment in self._active:
             # Still running, its answer long out of the bounded table: the same answer.
-            answer = OfferResult(
-                self.config.worker_id, self.config.epoch, assignment, True, seq=self._seq
-            )
+            answer = OfferResult(self.config.worker_id, link.epoch, assignment, True, seq=link.seq)
         if answer is None:
-            answer = self._decide(offer, out)
+            answer = self._decide(offer, link, out)
             self._remember(answer)
         else:
             self._fenced["duplicate_offer"] += 1
-        out.append(SendToRouter(answer))
+        out.append(SendToRouter(answer, assignment.router))
 
-    def _decide(self, offer: Offer, out: list[WorkerEffect]) -> OfferResult:
+    def _decide(self, offer: Offer, link: _Link, out: list[WorkerEffect]) -> OfferResult:
         """Admission for a first-seen offer; starts decoding when accepted."""
         if offer.worker_id != self.config.worker_id:
-            return self._decline(offer.assignment, "wrong_worker")
-        if offer.epoch != self.config.epoch:
-            return self._decline(offer.assignment, "stale_epoch")
-        current = self._attempt_of(offer.assignment.request_id)
+            return self._decline(offer.assignment, "wrong_worker", link)
+        if offer.epoch != link.epoch:
+            return self._decline(offer.assignment, "stale_epoch", link)
+        current = self._attempt_of(offer.assignment)
         if current is not None:
             if current.attempt > offer.assignment.attempt:
-                return self._decline(offer.assignment, "stale_attempt")
+                return self._decline(offer.assignment, "stale_attempt", link)
             # The router moved on to a newer attempt here: the old one is dead.
             self._end(current, "cancelled", E.SUPERSEDED, out)
         if self.free_slots <= 0 or self.draining:
-            return self._decline(offer.assignment, "no_slot")
+            return self._decline(offer.assignment, "no_slot", link)
         if offer.request.context_tokens > self.config.max_context:
-            return self._decline(offer.assignment, "context_length")
+            return self._decline(offer.assignment, "context_length", link)
         self._move(offer.assignment, E.OFFER_ADMITTED)
         # A continuation's output so far counts as sent: its next index is k.
         request = offer.request
@@ -272,16 +347,15 @@ class Worker:
         )
         self._accepted += 1
         out.append(StartDecode(offer.assignment, offer.request))
-        config = self.config
-        return OfferResult(config.worker_id, config.epoch, offer.assignment, True, seq=self._seq)
+        return OfferResult(self.config.worker_id, link.epoch, offer.assignment, True, seq=link.seq)
 
-    def _on_cancel(self, assignment: Assignment, out: list[WorkerEffect]) -> None:
+    def _on_cancel(self, assignment: Assignment, link: _Link, out: list[WorkerEffect]) -> None:
         state = self.state_of(assignment)
         if state is S.ACTIVE:
             self._end(assignment, "cancelled", E.CANCEL, out)
         elif state is S.UNSEEN:
             # The cancel overtook its offer: make sure the offer is declined.
-            self._remember(self._decline(assignment, "cancelled", E.CANCEL))
+            self._remember(self._decline(assignment, "cancelled", link, E.CANCEL))
         else:
             self._fenced["late_cancel"] += 1
 
@@ -291,14 +365,19 @@ class Worker:
         reason: FinishReason,
         event: AssignmentEvent,
         out: list[WorkerEffect],
+        *,
+        tell: bool = True,
     ) -> None:
-        """The one place an active assignment ends and its slot is freed."""
+        """The one place an active assignment ends and its slot is freed (`tell`: the
+        router hears of it, unless its link is gone)."""
         self._move(assignment, event)
         active = self._active.pop(assignment)
         if reason == "cancelled" or event is E.DECODER_SKIPPED:
             out.append(StopDecode(assignment))  # otherwise the decoder has already stopped
+        if not tell:
+            return
         finished = Finished(assignment, reason, len(active.tokens))
-        out.append(SendToRouter(finished))
+        out.append(SendToRouter(finished, assignment.router))
         if reason in ("eos", "length"):
             self._retained[assignment] = (active, finished)
             while len(self._retained) > self.config.retained_outputs:
@@ -308,12 +387,12 @@ class Worker:
         self,
         assignment: Assignment,
         reason: DeclineReason,
+        link: _Link,
         event: AssignmentEvent = E.OFFER_REFUSED,
     ) -> OfferResult:
         self._move(assignment, event)
         self._declined[reason] += 1
-        config = self.config
-        return OfferResult(config.worker_id, config.epoch, assignment, False, reason)
+        return OfferResult(self.config.worker_id, link.epoch, assignment, False, reason)
 
     def _move(self, assignment: Assignment, event: AssignmentEvent) -> AssignmentState:
         """Check a change against the table before the caller makes it (raises if illegal)."""
@@ -324,21 +403,29 @@ class Worker:
         while len(self._answers) > self.config.remembered_answers:
             self._answers.popitem(last=False)
 
-    def _attempt_of(self, request_id: str) -> Assignment | None:
+    def _attempt_of(self, offered: Assignment) -> Assignment | None:
+        """The attempt of the same request of the same router that runs here, if any
+        (another router's request of the same id is another request)."""
         for assignment in self._active:
-            if assignment.request_id == request_id:
+            if assignment.request_id == offered.request_id and assignment.router == offered.router:
                 return assignment
         return None
 
-    def _heartbeat(self) -> Heartbeat:
-        self._seq += 1
+    def _heartbeats(self, out: list[WorkerEffect]) -> None:
+        for router, link in self._links.items():
+            out.append(SendToRouter(self._heartbeat(router, link), router))
+
+    def _heartbeat(self, router: str, link: _Link) -> Heartbeat:
+        """This router's heartbeat: its epoch and sequence, its own assignments, and
+        the free slots of the whole worker (what any router's offer competes for)."""
+        link.seq += 1
         return Heartbeat(
             worker_id=self.config.worker_id,
-            epoch=self.config.epoch,
-            seq=self._seq,
+            epoch=link.epoch,
+            seq=link.seq,
             slots=0 if self.draining else self.config.slots,
             free_slots=0 if self.draining else self.free_slots,
             max_context=self.config.max_context,
-            active=tuple(self._active),
+            active=tuple(a for a in self._active if a.router == router),
             cache=self.cache,
         )

@@ -51,8 +51,10 @@ def beat(
     slots: int = 2,
     active: tuple[Assignment, ...] = (),
     max_context: int = 1024,
+    free: int | None = None,  # default: every slot not listed (no other router's work)
 ) -> list[RouterEffect]:
-    hb = Heartbeat(worker, epoch, seq, slots, slots - len(active), max_context, active)
+    free = slots - len(active) if free is None else free
+    hb = Heartbeat(worker, epoch, seq, slots, free, max_context, active)
     return router.handle(FromWorkerMessage(worker, hb), now)
 
 
@@ -201,11 +203,33 @@ def test_attempts_are_bounded() -> None:
     router.handle(Submit(request("a")), 0)
     for attempt, worker in ((1, "w1"), (2, "w2")):
         effects = from_worker(
-            router, worker, OfferResult(worker, 0, Assignment("a", attempt), False, "no_slot")
+            router, worker, OfferResult(worker, 0, Assignment("a", attempt), False, "stale_epoch")
         )
     [outcome] = outcomes(effects)
     assert isinstance(outcome, DeliverError)
     assert outcome.kind == "no_worker"
+
+
+def test_a_full_worker_costs_no_attempt_and_gets_no_offer_until_it_frees_a_slot() -> None:
+    # Several routers share the workers: a decline for want of a slot is their work,
+    # not a fault. It spends no attempt; that worker gets no offer from this router
+    # until a heartbeat shows a free slot, and the request waits in the queue.
+    router = Router(RouterConfig(max_attempts=1, router_id="r1"))
+    beat(router, "w1")
+    beat(router, "w2")
+    [(first, offer)] = offers(router.handle(Submit(request("a")), 0))
+    full = OfferResult(first, 0, offer.assignment, False, "no_slot")
+    [(second, offer)] = offers(from_worker(router, first, full))
+    assert second != first and offer.assignment == Assignment("a", 2, "r1")
+    full = OfferResult(second, 0, offer.assignment, False, "no_slot")
+    effects = from_worker(router, second, full)
+    assert not offers(effects) and not outcomes(effects)
+    assert router.statistics().queued == 1
+    # Another router's work still fills w1 (no slot free, none of them ours): nothing.
+    assert not offers(beat(router, first, seq=2, free=0))
+    # w2 frees a slot: the request goes there, its third attempt and still no failure.
+    [(worker, offer)] = offers(beat(router, second, seq=2, free=1))
+    assert worker == second and offer.assignment.attempt == 3
 
 
 def test_worker_crash_before_first_token_completes_elsewhere() -> None:

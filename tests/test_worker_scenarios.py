@@ -18,6 +18,8 @@ from core.protocol import (
     Offer,
     OfferResult,
     Resend,
+    RouterLinked,
+    RouterUnlinked,
     SendToRouter,
     StartDecode,
     StopDecode,
@@ -244,3 +246,100 @@ def test_a_token_without_the_record_its_request_asks_for_fails_the_assignment() 
     assert StopDecode(a1) in effects
     assert sent(effects) == [Finished(a1, "failed", 0)]
     assert worker.statistics().fenced == {"missing_logprob": 1}
+
+
+# --- several routers sharing one worker ---
+
+
+def shared(slots: int = 2) -> Worker:
+    """A worker with no link of its own, linked to routers ra (epoch 5) and rb (epoch 0)."""
+    worker = Worker(WorkerConfig("w1", slots=slots, router=None))
+    worker.handle(RouterLinked("ra", 5), 0.0)
+    worker.handle(RouterLinked("rb", 0), 0.0)
+    return worker
+
+
+def offer_from(worker: Worker, router: str, rid: str, attempt: int = 1, epoch: int | None = None):
+    epoch = worker.links()[router] if epoch is None else epoch
+    request = GenerationRequest(rid, (1, 2, 3), 4)
+    message = Offer("w1", epoch, Assignment(rid, attempt, router), request)
+    return worker.handle(FromRouterMessage(message, router), 0.0)
+
+
+def routed(effects: list[WorkerEffect]) -> list[tuple[str, object]]:
+    return [(e.router_id, e.message) for e in effects if isinstance(e, SendToRouter)]
+
+
+def test_a_new_link_gets_a_heartbeat_at_once_under_its_own_epoch() -> None:
+    worker = Worker(WorkerConfig("w1", slots=2, router=None))
+    assert not routed(worker.handle(WorkerStart(), 0.0))  # no router yet: nobody to tell
+    [(router, beat)] = routed(worker.handle(RouterLinked("ra", 7), 0.0))
+    assert router == "ra" and isinstance(beat, Heartbeat) and beat.epoch == 7
+
+
+def test_offers_of_several_routers_compete_for_the_same_slots() -> None:
+    worker = shared(slots=2)
+    assert answer(offer_from(worker, "ra", "q1")).accepted
+    assert answer(offer_from(worker, "rb", "q1")).accepted  # same id, another request
+    full = answer(offer_from(worker, "rb", "q2"))
+    assert not full.accepted and full.reason == "no_slot" and full.epoch == 0
+    assert worker.free_slots == 0
+
+
+def test_each_router_hears_its_own_heartbeat_with_its_own_work_and_every_free_slot() -> None:
+    worker = shared(slots=3)
+    offer_from(worker, "ra", "q1")
+    offer_from(worker, "rb", "q1")
+    beats = dict(routed(worker.handle(TimerFired(HeartbeatTimer()), 1.0)))
+    a, b = beats["ra"], beats["rb"]
+    assert isinstance(a, Heartbeat) and isinstance(b, Heartbeat)
+    assert (a.epoch, a.active, a.free_slots) == (5, (Assignment("q1", 1, "ra"),), 1)
+    assert (b.epoch, b.active, b.free_slots) == (0, (Assignment("q1", 1, "rb"),), 1)
+    assert a.seq == b.seq == 2  # each link counts its own (the link's first went at once)
+
+
+def test_a_router_acts_only_on_its_own_assignments() -> None:
+    worker = shared()
+    offer_from(worker, "ra", "q1")
+    theirs = Assignment("q1", 1, "ra")
+    # rb names ra's assignment: nothing happens to it, and the offer is answered no.
+    assert worker.handle(FromRouterMessage(Cancel(theirs), "rb"), 0.0) == []
+    assert worker.handle(FromRouterMessage(Resend(theirs, 0), "rb"), 0.0) == []
+    request = GenerationRequest("q1", (1, 2, 3), 4)
+    effects = worker.handle(FromRouterMessage(Offer("w1", 0, theirs, request), "rb"), 0.0)
+    [(to, result)] = routed(effects)
+    assert to == "rb" and isinstance(result, OfferResult) and result.reason == "wrong_router"
+    assert theirs in worker.holds()
+    assert worker.statistics().fenced["foreign_assignment"] == 3
+    # rb's newer attempt of its own q1 does not supersede ra's q1 either.
+    assert answer(offer_from(worker, "rb", "q1", attempt=2)).accepted
+    assert theirs in worker.holds()
+
+
+def test_losing_a_link_ends_that_routers_work_only_and_quietly() -> None:
+    worker = shared(slots=3)
+    offer_from(worker, "ra", "q1")
+    offer_from(worker, "ra", "q2")
+    offer_from(worker, "rb", "q1")
+    effects = worker.handle(RouterUnlinked("ra", "connection reset"), 0.0)
+    stopped = {e.assignment for e in effects if isinstance(e, StopDecode)}
+    assert stopped == {Assignment("q1", 1, "ra"), Assignment("q2", 1, "ra")}
+    assert not routed(effects)  # nobody is left to hear about ra's work
+    assert set(worker.holds()) == {Assignment("q1", 1, "rb")}
+    assert worker.links() == {"rb": 0}
+    # ra's late frames find no link; rb's decoder output still flows.
+    assert offer_from(worker, "ra", "q3", epoch=5) == []
+    assert worker.statistics().fenced["unlinked"] == 1
+    token = worker.handle(Decoded(Assignment("q1", 1, "rb"), 0, 42), 0.0)
+    assert routed(token) == [("rb", Token(Assignment("q1", 1, "rb"), 0, 42))]
+    assert worker.handle(Decoded(Assignment("q1", 1, "ra"), 0, 42), 0.0) == []
+
+
+def test_a_router_that_registers_the_worker_again_starts_a_new_link() -> None:
+    worker = shared()
+    offer_from(worker, "ra", "q1")
+    effects = worker.handle(RouterLinked("ra", 6), 0.0)
+    assert StopDecode(Assignment("q1", 1, "ra")) in effects
+    [(to, beat)] = routed(effects)
+    assert to == "ra" and isinstance(beat, Heartbeat) and (beat.epoch, beat.active) == (6, ())
+    assert answer(offer_from(worker, "ra", "q1", epoch=5)).reason == "stale_epoch"
