@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from msgspec import Meta, Struct
+from msgspec import Meta, Struct, structs
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=256)]
 WorkerId = Annotated[str, Meta(min_length=1, max_length=256)]
@@ -135,6 +135,10 @@ class GenerationRequest(Struct, frozen=True):
     def context_tokens(self) -> int:
         """Context positions the request may occupy: prompt plus every new token."""
         return len(self.prompt_token_ids) + self.max_new_tokens
+
+    def renamed(self, request_id: str) -> GenerationRequest:
+        """The same request under another id (sent again to another router)."""
+        return structs.replace(self, request_id=request_id)
 
 
 # --- wire messages (router <-> worker), tagged so one decoder reads them all ---

@@ -64,7 +64,10 @@ class RequestRecord:
     worker_id: str | None = None
     tokens: list[int] = field(default_factory=list)  # what the client has, for a resume
     resumes: int = 0
-    full: int = 0  # attempts declined for want of a slot (other routers' work): not failures
+    # Attempts declined for want of a slot (other routers' work fills the worker), before
+    # and after the first token: they spend neither an attempt nor a resume.
+    full_retries: int = 0
+    full_resumes: int = 0
     tried: set[str] = field(default_factory=set)
     finish: Finished | None = None  # a finish that arrived before all its tokens
     resend_at: float | None = None  # when the last Resend for it was sent
@@ -188,8 +191,7 @@ class Requests:
             # request is placed again without spending an attempt.
             self._release(req, out)
             self.fleet.full(worker_id, result.epoch)
-            req.full += 1
-            self._attempt_lost(req, "no_worker", f"declined: {result.reason}", out)
+            self._attempt_lost(req, "no_worker", "declined: no_slot", out, full=True)
         else:
             self._release(req, out)
             self._attempt_lost(req, "no_worker", f"declined: {result.reason}", out)
@@ -359,9 +361,16 @@ class Requests:
         out.append(ArmTimer(OfferTimer(assignment), self.now + self.config.offer_timeout_s))
 
     def _attempt_lost(
-        self, req: RequestRecord, kind: ErrorKind, message: str, out: list[RouterEffect]
+        self,
+        req: RequestRecord,
+        kind: ErrorKind,
+        message: str,
+        out: list[RouterEffect],
+        *,
+        full: bool = False,
     ) -> None:
-        """The active attempt is over (its hold already released): place it again or give up."""
+        """The active attempt is over (its hold already released): place it again or give
+        up. `full`: the worker had no free slot, which spends no attempt or resume."""
         failed_worker = req.worker_id
         req.phase = REQUEST.next(req.phase, E.ATTEMPT_LOST)
         self._stop_progress_timer(req, out)
@@ -369,9 +378,10 @@ class Requests:
         req.worker_id = None
         req.finish = None
         if req.delivered > 0:
-            self._resume(req, kind, message, failed_worker, out)
+            self._resume(req, kind, message, failed_worker, out, full)
             return
-        if req.attempt - req.full >= self.config.max_attempts:
+        req.full_retries += full
+        if req.attempt - req.full_retries >= self.config.max_attempts:
             # Nothing reached the client, so no worker was lost *to it*: no worker could serve it.
             self._give_up(
                 req, "no_worker", f"{message} (gave up after {req.attempt} attempts)", out
@@ -390,6 +400,7 @@ class Requests:
         message: str,
         failed_worker: str | None,
         out: list[RouterEffect],
+        full: bool = False,
     ) -> None:
         """A started stream lost its attempt: continue it from the delivered prefix.
 
@@ -397,7 +408,8 @@ class Requests:
         continuation is offered: the new worker ends it at once, with the reason
         (eos or length) that only a decoder can tell.
         """
-        if kind == "failed" or req.resumes >= self.config.max_resumes:
+        req.full_resumes += full
+        if kind == "failed" or req.resumes - req.full_resumes >= self.config.max_resumes:
             lost: ErrorKind = "failed" if kind == "failed" else "worker_lost"
             self._give_up(req, lost, message, out)
             return

@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Literal
 
-from msgspec import Struct
+from msgspec import Struct, structs
 
 from core.fleet import Fleet, WorkerView
 from core.protocol import (
@@ -128,8 +128,12 @@ class RouterStatistics(Struct, frozen=True):
 
 
 class Router:
-    def __init__(self, config: RouterConfig | None = None) -> None:
-        self.config = config or RouterConfig()
+    def __init__(self, config: RouterConfig | None = None, router_id: str | None = None) -> None:
+        """router_id, when given, replaces the config's (one config, several routers)."""
+        config = config or RouterConfig()
+        if router_id is not None:
+            config = structs.replace(config, router_id=router_id)
+        self.config = config
         self._fenced: Counter[str] = Counter()
         self.fleet = Fleet(self.config, self._fenced)
         self.requests = Requests(self.config, self.fleet, self._fenced)

@@ -1,6 +1,7 @@
 """A cluster of the real core machines joined by a controllable fake network.
 
-Cluster wires one core Router to N core Workers. Nothing here decides *when*
+Cluster wires core Routers (one, or several sharing the workers) to N core
+Workers, each worker linked to every live router. Nothing here decides *when*
 things happen: the caller (a hypothesis state machine in the tests, a seeded
 scheduler in the simulator) picks which in-flight message to deliver, which
 to duplicate, when a decoder makes a step and when time advances. The cluster
@@ -21,6 +22,15 @@ modelled as what it is on real hardware: each attempt draws a different
 sequence (the attempt number salts the function), so a client sees one
 attempt's output, or, after a resume, one attempt's prefix continued by a
 later attempt given that prefix.
+
+Several routers: each is a RouterNode with its own clients (streams), its
+own timers and its own router-side oracles; request ids are numbered per
+router, so the same id names different requests at different routers (as
+independent routers would do). A router can crash (its machine, timers
+and in-flight messages are gone; its clients' streams are cut) and restart
+as a new incarnation with a new router id; workers hear that a router's
+link closed (RouterUnlinked) when the caller says so, and register with
+a new router when it comes up.
 """
 
 from __future__ import annotations
@@ -56,6 +66,8 @@ from core.protocol import (
     Registration,
     RouterEffect,
     RouterEvent,
+    RouterLinked,
+    RouterUnlinked,
     SendToRouter,
     SendToWorker,
     StartDecode,
@@ -73,11 +85,12 @@ from core.router import Router, RouterConfig
 from core.worker import Worker, WorkerConfig
 from sim.clock import Clock
 from sim.kv import KvModel, pool_blocks
-from sim.oracles import Disturbances, Oracles
+from sim.oracles import Disturbances, Oracles, WorkerOracles
 
 # How a misbehaving decoder can go wrong in one step (sim/simulator.py draws one):
 # say a token twice, skip an index, emit a token past the end, or end twice.
 MISBEHAVIOURS = ("repeat", "skip", "overrun", "end_twice")
+SALT_SEARCH = 256  # with shared workers: attempts past the last one seen, to look among
 
 
 def diverges(request: GenerationRequest) -> bool:
@@ -91,12 +104,15 @@ class InvariantViolation(AssertionError):
 
 @dataclass(slots=True)
 class Packet:
-    """A message on the fake network. `to` is a worker id, or None for the router."""
+    """A message on the fake network. `to` is a worker id, or None for a router:
+    the one named by `router` (a worker's messages go on its link to that router,
+    a router's messages come from it)."""
 
     ident: int
     source: str  # worker id of the sender (the router's messages name their target in `to`)
     to: str | None
     message: ToWorker | FromWorker
+    router: str = ""  # the router id of the link it travels on
 
 
 @dataclass(slots=True)
@@ -111,6 +127,7 @@ class ClientStream:
     # By salt: the fake model's context before the next token, to compute the logprob
     # record each delivered token must carry (requests that ask for logprobs only).
     contexts: dict[int, FakeContext] = field(default_factory=dict)
+    cut: bool = False  # its router died before an outcome: the client saw the connection drop
 
 
 @dataclass(slots=True)
@@ -135,8 +152,32 @@ class _Armed:
     rank: int  # the key's place among its owner's timers; kept when re-armed
 
 
-ROUTER = None  # the owner of the router's timers (a worker's are owned by its id)
-Owner = str | None
+Owner = str  # a worker id, or "@" + a router id: whose timer it is
+
+
+def router_owner(router_id: str) -> Owner:
+    return "@" + router_id
+
+
+class RouterNode:
+    """One router incarnation: its machine, its clients and its router-side oracles."""
+
+    def __init__(
+        self, cluster: Cluster, name: str, router_id: str, config: RouterConfig | None
+    ) -> None:
+        config = config or RouterConfig()
+        self.name = name  # the router's place (its address): its incarnations share it
+        self.router_id = router_id
+        self.router = Router(config, router_id)
+        self.owner = router_owner(router_id)
+        self.alive = True
+        self.streams: dict[str, ClientStream] = {}
+        self.next_request = 0  # the next request id this router's clients get: r0, r1, ...
+        self.oracles = Oracles(cluster, self, cluster.disturbances)
+
+    def new_request_id(self) -> str:
+        self.next_request += 1
+        return f"r{self.next_request - 1}"
 
 
 class Cluster:
@@ -153,11 +194,23 @@ class Cluster:
         disturbances: Disturbances | None = None,
         kv_block_size: int = 4,
         largest_request: int | None = None,
+        routers: int = 1,
     ) -> None:
         self.clock = clock or Clock()
         self.on_send = on_send or self.in_flight_append
         self.trace = trace
-        self.router = Router(router_config)
+        self.disturbances = disturbances
+        self.router_config = router_config or RouterConfig()
+        self.shared = routers > 1  # several routers share the workers
+        self._timers: dict[Owner, dict[TimerKey, _Armed]] = {}
+        self._owner_rank: dict[Owner, int] = {}
+        # Live router incarnations by router id, and every one there has been. A lone
+        # router's id is "" (its assignments name no router), as in a plain deployment.
+        self.nodes: dict[str, RouterNode] = {}
+        self.all_nodes: list[RouterNode] = []
+        self._incarnations: Counter[str] = Counter()
+        self._processes: Counter[str] = Counter()  # worker processes started, per id
+        self.worker_oracles = WorkerOracles(self, disturbances)
         self.slots = slots
         self.max_context = max_context
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -169,44 +222,118 @@ class Cluster:
         self.decodes: dict[str, dict[Assignment, Decode]] = {}
         self.down: set[str] = set()  # crashed: events to them vanish
         self.paused: set[str] = set()  # stalled: their timers wait until they resume
-        self._timers: dict[Owner, dict[TimerKey, _Armed]] = {ROUTER: {}}
-        self._owner_rank: dict[Owner, int] = {ROUTER: 0}
         self._arms = 0
         self.decoder_failures = 0
         self.misbehaviours = 0  # decoder steps that went wrong on purpose
         self.in_flight: list[Packet] = []
-        self.streams: dict[str, ClientStream] = {}
         self._packet_ids = 0
         self._decode_keys = 0
         self._keys: dict[int, Assignment] = {}
         self.violations: list[str] = []
-        self.oracles = Oracles(self, disturbances)
+        self.router_names = [chr(ord("a") + i) for i in range(routers)]
+        for name in self.router_names:
+            self.start_router(name)
         for worker_id in worker_ids:
             self.start_worker(worker_id)
 
+    # --- routers ---
+
+    @property
+    def router(self) -> Router:
+        """The first live router (the only one, unless several share the workers)."""
+        return self._first().router
+
+    @property
+    def oracles(self) -> Oracles:
+        """The first live router's oracles (the only ones, unless several routers)."""
+        return self._first().oracles
+
+    def _first(self) -> RouterNode:
+        return next(iter(self.nodes.values()))
+
+    def start_router(self, name: str) -> RouterNode:
+        """A router process starts at its place `name`, as a new incarnation (a new id);
+        every running worker registers with it."""
+        self._incarnations[name] += 1
+        router_id = f"{name}{self._incarnations[name]}" if self.shared else ""
+        node = RouterNode(self, name, router_id, self.router_config)
+        self.nodes[router_id] = node
+        self.all_nodes.append(node)
+        self._timers[node.owner] = {}
+        self._owner_rank.setdefault(node.owner, len(self._owner_rank))
+        for worker_id in self.workers:
+            if worker_id not in self.down:
+                self.link(worker_id, router_id)
+        return node
+
+    def crash_router(self, router_id: str) -> list[str]:
+        """The router process dies: its state and timers are gone, what is in flight to
+        it vanishes, and its clients' streams are cut. Returns the workers linked to it
+        (each hears its link close when the caller says: `router_link_lost`)."""
+        node = self.nodes.pop(router_id)
+        node.alive = False
+        self._timers[node.owner] = {}
+        for stream in node.streams.values():
+            if stream.outcome is None:
+                stream.cut = True
+        return [w for w, worker in self.workers.items() if router_id in worker.links()]
+
+    def router_link_lost(self, worker_id: str, router_id: str) -> None:
+        """The worker sees its connection to a router close."""
+        if worker_id in self.workers:
+            self._run_worker(worker_id, RouterUnlinked(router_id, "connection closed"))
+
+    def node_of(self, router_id: str) -> RouterNode | None:
+        """The live router of this id, if it is live."""
+        return self.nodes.get(router_id)
+
+    def live_routers(self) -> list[str]:
+        return list(self.nodes)
+
+    def wants(self, worker_id: str, assignment: Assignment) -> bool | None:
+        """Does the assignment's router want it on this worker? None: its router is
+        not live (it died; the worker lets go when it hears so)."""
+        node = self.nodes.get(assignment.router)
+        return None if node is None else node.router.wants(worker_id, assignment)
+
     # --- driving ---
 
-    def register(self, worker_id: str) -> int | None:
-        """A process connects as worker_id: the router hands out an epoch, or refuses."""
-        effects = self._run_router(RegisterWorker(worker_id))
+    def register(self, worker_id: str, router_id: str | None = None) -> int | None:
+        """A process connects as worker_id to a router (the first live one unless
+        named): it hands out an epoch, or refuses."""
+        node = self.nodes[router_id] if router_id is not None else self._first()
+        effects = self._run_router(node, RegisterWorker(worker_id))
         [answer] = [e for e in effects if isinstance(e, Registration)]
         return answer.epoch
 
-    def start_worker(self, worker_id: str, slots: int | None = None) -> bool:
-        """Start a worker process: it registers, then serves under the router's epoch.
-        False if the router refused the id (a live worker has it): the process waits."""
-        epoch = self.register(worker_id)
+    def link(self, worker_id: str, router_id: str) -> bool:
+        """The running worker connects to a router and registers (False: refused)."""
+        epoch = self.register(worker_id, router_id)
         if epoch is None:
-            self.down.add(worker_id)
             return False
+        self._run_worker(worker_id, RouterLinked(router_id, epoch))
+        return True
+
+    def start_worker(self, worker_id: str, slots: int | None = None) -> bool:
+        """Start a worker process: it registers with every live router, then serves
+        each under the epoch it handed out. False if a router refused the id (a live
+        worker has it there): the process waits, and is started again later."""
+        epochs: dict[str, int] = {}
+        for router_id in self.nodes:
+            epoch = self.register(worker_id, router_id)
+            if epoch is None:
+                self.down.add(worker_id)
+                return False
+            epochs[router_id] = epoch
         config = WorkerConfig(
             worker_id,
-            epoch=epoch,
             slots=self.slots if slots is None else slots,
             max_context=self.max_context,
             heartbeat_interval_s=self.heartbeat_interval_s,
+            router=None,
         )
         self.workers[worker_id] = Worker(config)
+        self._processes[worker_id] += 1
         blocks = pool_blocks(config.slots, self.largest_request, self.kv_block_size)
         self.kv[worker_id] = KvModel(blocks, self.kv_block_size, self.violations.append, worker_id)
         self._timers[worker_id] = {}
@@ -214,6 +341,8 @@ class Cluster:
         self.decodes[worker_id] = {}
         self.down.discard(worker_id)
         self._run_worker(worker_id, WorkerStart())
+        for router_id, epoch in epochs.items():
+            self._run_worker(worker_id, RouterLinked(router_id, epoch))
         return True
 
     def fail_decoder(self, worker_id: str) -> None:
@@ -247,52 +376,65 @@ class Cluster:
         self._timers[worker_id] = {}
         self.decodes[worker_id] = {}
 
-    def worker_gone(self, worker_id: str, epoch: int) -> None:
-        """The transport tells the router that this epoch's connection is gone."""
-        self._run_router(WorkerGone(worker_id, epoch, "connection closed"))
+    def worker_gone(self, worker_id: str, epoch: int, router_id: str | None = None) -> None:
+        """The transport tells a router (the first unless named) that this epoch's
+        connection is gone; a router that has since died hears nothing."""
+        node = self.nodes.get(router_id) if router_id is not None else self._first()
+        if node is not None:
+            self._run_router(node, WorkerGone(worker_id, epoch, "connection closed"))
 
     def restart_worker(self, worker_id: str) -> bool:
         """A new process (or a new connection of a live one) registers again."""
         return self.start_worker(worker_id, self.workers[worker_id].config.slots)
 
-    def inject_heartbeat(self, heartbeat: Heartbeat) -> None:
+    def inject_heartbeat(self, heartbeat: Heartbeat, router_id: str | None = None) -> None:
         """A heartbeat from nowhere (a process with a wrong idea of its epoch)."""
-        self._run_router(FromWorkerMessage(heartbeat.worker_id, heartbeat))
+        node = self.nodes[router_id] if router_id is not None else self._first()
+        self._run_router(node, FromWorkerMessage(heartbeat.worker_id, heartbeat))
 
     @property
     def max_salt(self) -> int:
         """The highest attempt number a request can reach (retries, then resumes)."""
-        config = self.router.config
+        config = self.router_config
         return config.max_attempts + config.max_resumes
 
-    def submit(self, request: GenerationRequest) -> None:
+    def submit(self, request: GenerationRequest, router_id: str | None = None) -> None:
+        """A client sends the request to a router (the first live one unless named)."""
+        node = self.nodes[router_id] if router_id is not None else self._first()
         salts = range(1, self.max_salt + 1) if diverges(request) else [0]
         references = {salt: reference_output(request, salt) for salt in salts}
-        stream = self.streams[request.request_id] = ClientStream(request, references)
-        queued = self.router.statistics().queued
-        self._run_router(Submit(request))
+        stream = node.streams[request.request_id] = ClientStream(request, references)
+        queued = node.router.statistics().queued
+        self._run_router(node, Submit(request))
         if isinstance(stream.outcome, DeliverError) and stream.outcome.kind == "overloaded":
-            self.oracles.check_overloaded(request.request_id, queued)
+            node.oracles.check_overloaded(request.request_id, queued)
 
-    def cancel(self, request_id: str) -> None:
-        self.streams[request_id].cancel_requested = True
-        self._run_router(ClientCancel(request_id))
+    def cancel(self, request_id: str, router_id: str | None = None) -> None:
+        node = self.nodes[router_id] if router_id is not None else self._first()
+        node.streams[request_id].cancel_requested = True
+        self._run_router(node, ClientCancel(request_id))
 
     def deliver(self, position: int) -> None:
         """Deliver the in-flight packet at `position` (any order: the network reorders)."""
         self.deliver_packet(self.in_flight.pop(position))
 
     def deliver_packet(self, packet: Packet) -> None:
-        """Hand a packet to its destination; one sent to a crashed worker vanishes."""
+        """Hand a packet to its destination; one sent to a crashed worker or router
+        vanishes (so does one from a router that has died since: its connection
+        closed with it)."""
+        node = self.nodes.get(packet.router)
+        if node is None:
+            return
         if packet.to is None:
             message = cast(FromWorker, packet.message)
-            self._run_router(FromWorkerMessage(packet.source, message))
+            self._run_router(node, FromWorkerMessage(packet.source, message))
         elif packet.to not in self.down:
-            self._run_worker(packet.to, FromRouterMessage(cast(ToWorker, packet.message)))
+            order = cast(ToWorker, packet.message)
+            self._run_worker(packet.to, FromRouterMessage(order, packet.router))
 
     def duplicate(self, position: int) -> None:
         packet = self.in_flight[position]
-        self._send(packet.source, packet.to, packet.message)
+        self._send(packet.source, packet.to, packet.message, packet.router)
 
     def decode_step(
         self, worker_id: str, assignment: Assignment, misbehave: str | None = None
@@ -410,8 +552,18 @@ class Cluster:
     def stalled(self) -> list[str]:
         return sorted(self.paused)
 
-    def epoch(self, worker_id: str) -> int:
-        return self.workers[worker_id].config.epoch
+    def epoch(self, worker_id: str, router_id: str | None = None) -> int:
+        """The epoch the worker serves a router under (the first live one unless named)."""
+        router_id = self._first().router_id if router_id is None else router_id
+        return self.workers[worker_id].links()[router_id]
+
+    def process(self, worker_id: str) -> int:
+        """Which process of this worker id runs now (1 for the first, then each restart)."""
+        return self._processes[worker_id]
+
+    def links(self, worker_id: str) -> dict[str, int]:
+        """router id -> epoch, for each router the worker process is linked to."""
+        return self.workers[worker_id].links()
 
     def decoders(self) -> ItemsView[str, dict[Assignment, Decode]]:
         """(worker id, its running decodes) for every worker, in worker order (read only)."""
@@ -420,14 +572,19 @@ class Cluster:
     def decodes_on(self, worker_id: str) -> Mapping[Assignment, Decode]:
         return self.decodes[worker_id]
 
-    def has_outcome(self, request_id: str) -> bool:
-        return self.streams[request_id].outcome is not None
+    def has_outcome(self, request_id: str, router_id: str | None = None) -> bool:
+        node = self.nodes.get(router_id) if router_id is not None else self._first()
+        return node is None or node.streams[request_id].outcome is not None
+
+    def streams(self) -> list[ClientStream]:
+        """Every client's stream, at every router there has been."""
+        return [s for node in self.all_nodes for s in node.streams.values()]
 
     def submitted(self) -> int:
-        return len(self.streams)
+        return sum(len(node.streams) for node in self.all_nodes)
 
     def open_requests(self) -> list[GenerationRequest]:
-        return [s.request for s in self.streams.values() if s.outcome is None]
+        return [s.request for s in self.streams() if s.outcome is None and not s.cut]
 
     def settled(self) -> bool:
         """Every request has its outcome and every slot is back, as all machines see it."""
@@ -437,7 +594,9 @@ class Cluster:
             return False
         if self._stale_views():
             return False
-        return not any(held for _, held, _ in self.router.slot_usage())
+        return not any(
+            held for node in self.nodes.values() for _, held, _ in node.router.slot_usage()
+        )
 
     def unsettled_reasons(self) -> list[str]:
         parts = []
@@ -446,35 +605,65 @@ class Cluster:
         busy = [w for w, worker in self.workers.items() if worker.free_slots != worker.config.slots]
         if busy:
             parts.append(f"workers with slots still taken {busy}")
-        held = [v.worker_id for v in self.router.statistics().workers if v.held]
-        if held:
-            parts.append(f"router still counts slots on {held}")
+        for node in self.nodes.values():
+            held = [v.worker_id for v in node.router.statistics().workers if v.held]
+            if held:
+                parts.append(f"router {node.router_id!r} still counts slots on {held}")
         if stale := self._stale_views():
-            parts.append(f"router's view of workers is stale: {stale}")
+            parts.append(f"a router's view of workers is stale: {stale}")
         return parts
 
     def _stale_views(self) -> list[str]:
-        """Workers the router does not see as healthy at their current epoch."""
-        actual = {w: worker.config.epoch for w, worker in self.workers.items()}
-        return [
-            f"{view.worker_id} (router: epoch {view.epoch}, healthy {view.healthy}; "
-            f"worker: epoch {actual.get(view.worker_id)})"
-            for view in self.router.statistics().workers
-            if not view.healthy or view.epoch != actual.get(view.worker_id)
-        ]
+        """Workers a live router does not see as healthy at the epoch the worker serves
+        it under (or at all, though the worker runs)."""
+        stale = []
+        for router_id, node in self.nodes.items():
+            actual = {w: worker.links().get(router_id) for w, worker in self.workers.items()}
+            seen = set()
+            for view in node.router.statistics().workers:
+                seen.add(view.worker_id)
+                if view.worker_id in actual and (
+                    not view.healthy or view.epoch != actual[view.worker_id]
+                ):
+                    stale.append(
+                        f"{view.worker_id} (router {router_id!r}: epoch {view.epoch}, "
+                        f"healthy {view.healthy}; worker: epoch {actual[view.worker_id]})"
+                    )
+            stale += [f"{w} unknown to router {router_id!r}" for w in actual if w not in seen]
+        return stale
 
     def outcomes(self) -> Counter[str]:
         counts: Counter[str] = Counter()
-        for stream in self.streams.values():
+        for stream in self.streams():
             match stream.outcome:
                 case DeliverFinished(reason=reason) | DeliverError(kind=reason):
                     counts[reason] += 1
+                case None if stream.cut:
+                    counts["cut"] += 1
         return counts
 
+    def attempts_lost(self) -> int:
+        return sum(node.oracles.attempts_lost for node in self.all_nodes)
+
+    def full_declines(self) -> int:
+        return sum(node.oracles.full_declines for node in self.all_nodes)
+
+    def resends(self) -> int:
+        return sum(node.router.statistics().resends_requested for node in self.all_nodes)
+
+    def resumes(self) -> int:
+        return sum(node.router.statistics().resumes for node in self.all_nodes)
+
+    def waste_s(self) -> float:
+        return self.worker_oracles.waste_s
+
     def fenced(self) -> Counter[str]:
-        """Messages fenced, by machine and reason (router.gap, worker.late_token, ...)."""
-        stats = self.router.statistics()
-        fenced: Counter[str] = Counter({f"router.{k}": v for k, v in stats.fenced.items()})
+        """Messages fenced, by machine and reason (router.gap, worker.late_token, ...),
+        summed over every router there has been."""
+        fenced: Counter[str] = Counter()
+        for node in self.all_nodes:
+            for reason, n in node.router.statistics().fenced.items():
+                fenced[f"router.{reason}"] += n
         for worker in self.workers.values():
             for reason, n in worker.statistics().fenced.items():
                 fenced[f"worker.{reason}"] += n
@@ -483,14 +672,14 @@ class Cluster:
     def error_causes(self) -> Counter[str]:
         """Error outcomes by kind and cause (the message without its particulars)."""
         counts: Counter[str] = Counter()
-        for stream in self.streams.values():
+        for stream in self.streams():
             if isinstance(stream.outcome, DeliverError):
                 started = "after tokens" if stream.tokens else "before tokens"
                 counts[f"{stream.outcome.kind} {started}: {_cause(stream.outcome.message)}"] += 1
         return counts
 
     def tokens_delivered(self) -> int:
-        return sum(len(s.tokens) for s in self.streams.values())
+        return sum(len(s.tokens) for s in self.streams())
 
     # --- oracles ---
 
@@ -499,22 +688,33 @@ class Cluster:
         an oracle of sim/oracles.py found a fault it cannot explain."""
         if self.violations:
             raise InvariantViolation(self.violations[0])
-        if self.oracles.violations:
-            raise InvariantViolation(self.oracles.violations[0])
+        for node in self.all_nodes:
+            if node.oracles.violations:
+                raise InvariantViolation(node.oracles.violations[0])
+        if self.worker_oracles.violations:
+            raise InvariantViolation(self.worker_oracles.violations[0])
         for worker_id, worker in self.workers.items():
             if worker_id in self.down:
                 continue
             holds = worker.holds()
             if len(holds) > worker.config.slots:
                 raise InvariantViolation(f"{worker_id} over-committed its slots")
+            linked = worker.links()
+            if any(a.router not in linked for a in holds):
+                # A lost link's work ends with it: nobody can receive its tokens.
+                foreign = [a for a in holds if a.router not in linked]
+                raise InvariantViolation(f"{worker_id} holds {foreign} of routers it lost")
             decodes = self.decodes[worker_id]
             if decodes and not decodes.keys() <= holds:
                 # Cancelled or ended work must stop at once, not burn a slot's compute.
                 raise InvariantViolation(f"{worker_id} decodes assignments it no longer holds")
-        for worker_id, held, _ in self.router.slot_usage():
-            # Against the worker's own slot count: a draining worker reports none free.
-            if held > self.workers[worker_id].config.slots:
-                raise InvariantViolation(f"router over-committed {worker_id}")
+        for node in self.nodes.values():
+            for worker_id, held, _ in node.router.slot_usage():
+                # Against the worker's own slot count: a draining worker reports none free.
+                if held > self.workers[worker_id].config.slots:
+                    raise InvariantViolation(
+                        f"router {node.router_id!r} over-committed {worker_id}"
+                    )
 
     def check_end(self, fault_kinds: set[str]) -> None:
         """The checks of a finished run: fence counters the faults cannot explain."""
@@ -522,7 +722,13 @@ class Cluster:
         self.check_safety()
 
     def unfinished(self) -> list[str]:
-        return [rid for rid, s in self.streams.items() if s.outcome is None]
+        """Requests of live routers still without an outcome (router id: request id)."""
+        return [
+            f"{node.router_id}:{rid}" if node.router_id else rid
+            for node in self.nodes.values()
+            for rid, s in node.streams.items()
+            if s.outcome is None
+        ]
 
     # --- effect execution ---
 
@@ -530,33 +736,38 @@ class Cluster:
         """The default network: hold every packet until the caller delivers it."""
         self.in_flight.append(packet)
 
-    def _send(self, source: str, to: str | None, message: ToWorker | FromWorker) -> None:
+    def _send(
+        self, source: str, to: str | None, message: ToWorker | FromWorker, router: str
+    ) -> None:
         self._packet_ids += 1
-        self.on_send(Packet(self._packet_ids, source, to, message))
+        self.on_send(Packet(self._packet_ids, source, to, message, router))
 
-    def _run_router(self, event: RouterEvent) -> list[RouterEffect]:
-        before = self.oracles.before_router(event)
-        effects = self.router.handle(event, self.clock.now)
+    def _run_router(self, node: RouterNode, event: RouterEvent) -> list[RouterEffect]:
+        before = node.oracles.before_router(event)
+        effects = node.router.handle(event, self.clock.now)
         if self.trace is not None:
-            self.trace(f"{self.now:9.4f} router  {_show(event)} -> {_show_all(effects)}")
+            who = f"router{node.router_id}"
+            self.trace(f"{self.now:9.4f} {who:7} {_show(event)} -> {_show_all(effects)}")
         for effect in effects:
-            self._apply_router_effect(effect)
-        self.oracles.after_router(event, effects, before, self.clock.now)
+            self._apply_router_effect(node, effect)
+        node.oracles.after_router(event, effects, before, self.clock.now)
         return effects
 
-    def _apply_router_effect(self, effect: RouterEffect) -> None:
+    def _apply_router_effect(self, node: RouterNode, effect: RouterEffect) -> None:
         match effect:
             case SendToWorker(worker_id, message):
-                self._send("router", worker_id, message)
+                self._send("router", worker_id, message, node.router_id)
             case ArmTimer(key, deadline):
-                self._arm(ROUTER, key, deadline)
+                self._arm(node.owner, key, deadline)
             case DisarmTimer(key):
-                self._timers[ROUTER].pop(key, None)
+                self._timers[node.owner].pop(key, None)
             case DeliverToken() | DeliverFinished() | DeliverError():
-                self._record_delivery(effect)
+                self._record_delivery(node, effect)
 
-    def _record_delivery(self, effect: DeliverToken | DeliverFinished | DeliverError) -> None:
-        stream = self.streams.get(effect.request_id)
+    def _record_delivery(
+        self, node: RouterNode, effect: DeliverToken | DeliverFinished | DeliverError
+    ) -> None:
+        stream = node.streams.get(effect.request_id)
         if stream is None:
             self.violations.append(f"delivery for unknown request {effect.request_id}")
             return
@@ -573,13 +784,16 @@ class Cluster:
                     for salt, (ref, why) in stream.references.items()
                     if index < len(ref) and ref[index] == token_id
                 }
-                if not matching and diverges(stream.request) and stream.tokens:
-                    # Resumed on a newer attempt, which draws its own tokens from here.
+                if not matching and diverges(stream.request):
+                    # Resumed on a newer attempt, which draws its own tokens from here (or,
+                    # with shared workers, a first token from an attempt past max_salt:
+                    # attempts declined for want of a slot add attempts without limit).
                     newest = max(stream.references, default=0)
                     prefix = tuple(stream.tokens)
+                    last = max(self.max_salt, newest + SALT_SEARCH if self.shared else 0)
                     matching = {
                         salt: cont
-                        for salt in range(newest + 1, self.max_salt + 1)
+                        for salt in range(newest + 1, last + 1)
                         if (cont := reference_output(stream.request, salt, prefix))[0][index]
                         == token_id
                     }
@@ -647,12 +861,12 @@ class Cluster:
             self.trace(f"{self.now:9.4f} {worker_id:7} {_show(event)} -> {_show_all(effects)}")
         for effect in effects:
             self._apply_worker_effect(worker_id, effect)
-        self.oracles.after_worker(worker_id, event, effects)
+        self.worker_oracles.after_worker(worker_id, event, effects)
 
     def _apply_worker_effect(self, worker_id: str, effect: WorkerEffect) -> None:
         match effect:
-            case SendToRouter(message):
-                self._send(worker_id, None, message)
+            case SendToRouter(message, router_id):
+                self._send(worker_id, None, message, router_id)
             case StartDecode(assignment, request):
                 salt = assignment.attempt if diverges(request) else 0
                 run = FakeDecode(assignment, request, salt)
@@ -693,8 +907,8 @@ class Cluster:
 
     def _fire(self, owner: Owner, key: TimerKey) -> None:
         del self._timers[owner][key]
-        if owner is ROUTER:
-            self._run_router(TimerFired(key))
+        if owner.startswith("@"):
+            self._run_router(self.nodes[owner[1:]], TimerFired(key))
         else:
             self._run_worker(owner, TimerFired(key))
 
@@ -717,6 +931,8 @@ _ABBREVIATIONS = (
     ("FromRouterMessage(message=", "From("),
     ("SendToWorker(worker_id=", "Send("),
     ("SendToRouter(message=", "Send("),
+    (", router_id='')", ")"),
+    (", router='')", ")"),
     ("GenerationRequest(request_id=", "Req("),
     ("sampling=Sampling(temperature=0.0, top_p=1.0, seed=", "seed=("),
     (", stop_token_ids=()", ""),

@@ -36,6 +36,15 @@ behaviour under faults. The oracles here close that gap.
 - Fence counters that only a bug can move stay zero: each fence reason is
   listed with the fault kinds (or events) that can cause it; at the end of
   a run a reason counted without any of them is a violation.
+- Several routers: each router has its own Oracles, judging its own requests
+  exactly as above; worker-side checks (WorkerOracles) ask the router an
+  assignment names. A router's crash is no disturbance of any worker, so an
+  attempt another router loses when one dies is unexplained: a crash never
+  costs another router's streams. With several routers a worker may decline
+  an offer for want of a slot (the others' work fills it): such an attempt
+  needs no disturbance and spends no attempt or resume, so the limits above
+  are counted without it. A worker never holds an assignment of a router it
+  has lost its link to, nor more assignments than slots, whoever made them.
 """
 
 from __future__ import annotations
@@ -72,7 +81,7 @@ from core.protocol import (
 )
 
 if TYPE_CHECKING:
-    from sim.cluster import Cluster
+    from sim.cluster import Cluster, RouterNode
 
 DECODER_FAULTS = frozenset({"decoder_failure", "decoder_misbehaves"})
 
@@ -103,6 +112,8 @@ FENCE_CAUSES: dict[str, frozenset[str]] = {
     "worker.resend_unknown": DECODER_FAULTS | {"crash", "drain", "client_cancel", "attempt_lost"},
     "worker.duplicate_offer": REORDERING,
     "worker.late_cancel": REORDERING | {"attempt_lost", "client_cancel"},
+    # Each router's messages travel on its own link and name its own assignments.
+    "worker.foreign_assignment": frozenset(),
 }
 
 
@@ -162,6 +173,7 @@ class _Attempt:
     open: bool = True
     progress_at: float = 0.0  # the offer, then each token it delivered
     streaming: bool = False  # delivered a token
+    full: bool = False  # declined for want of a slot (several routers): spends nothing
 
 
 @dataclass(slots=True)
@@ -171,28 +183,29 @@ class _Tally:
     attempts: list[_Attempt] = field(default_factory=list)
     before_first_token: int = 0
     resumes: int = 0
+    full_retries: int = 0  # of those, declined for want of a slot (several routers)
+    full_resumes: int = 0
 
 
 class Oracles:
-    """The checks above, fed by the cluster as it executes the machines' effects."""
+    """The router-side checks above for one router, fed by the cluster as it executes
+    the machines' effects."""
 
-    def __init__(self, cluster: Cluster, disturbances: Disturbances | None) -> None:
+    def __init__(
+        self, cluster: Cluster, node: RouterNode, disturbances: Disturbances | None
+    ) -> None:
         self.cluster = cluster
-        self.router = cluster.router
-        self.config = cluster.router.config
+        self.router = node.router
+        self.config = node.router.config
+        self.streams = node.streams
         self.disturbances = disturbances
         self.violations: list[str] = []
         self.attempts_lost = 0
-        self.waste_s = 0.0  # assignment-seconds workers held work the router did not want
+        self.full_declines = 0  # attempts declined for want of a slot
         self._tallies: dict[str, _Tally] = {}
         self._views: dict[str, tuple[int, int]] = {}
         self._lost_mark = 0
-        self._unwanted: dict[tuple[str, int, Assignment], float] = {}
-        self._last_waste_check = 0.0
         self._last_progress_check = 0.0
-        self._sent: dict[tuple[str, int, Assignment], int] = {}  # tokens a worker sent
-        self._completed: dict[tuple[str, int], deque[Assignment]] = {}
-        self.completions: Counter[tuple[str, int]] = Counter()  # per (worker, epoch)
         # The last cache report the router accepted from each worker: (epoch, when, report).
         self._reports: dict[str, tuple[int, float, CacheReport | None]] = {}
 
@@ -213,6 +226,8 @@ class Oracles:
         before: tuple[int, int, bool] | None,
         now: float,
     ) -> None:
+        if isinstance(event, FromWorkerMessage) and isinstance(event.message, OfferResult):
+            self._note_full(event.message)
         for effect in effects:
             match effect:
                 case SendToWorker(worker_id, Offer() as offer):
@@ -240,6 +255,24 @@ class Oracles:
         if mark != self._lost_mark:
             self._lost_mark = mark
             self._find_lost_attempts(now)
+
+    def _note_full(self, result: OfferResult) -> None:
+        """A decline for want of a slot, of the request's open attempt: it spends no
+        attempt or resume (the router must agree). With several routers it is the
+        others' work; with one, the router's view was off, which a fault explains."""
+        if result.accepted or result.reason != "no_slot":
+            return
+        tally = self._tallies.get(result.assignment.request_id)
+        last = tally.attempts[-1] if tally and tally.attempts else None
+        if tally is None or last is None or not last.open or last.assignment != result.assignment:
+            return
+        if not last.full:
+            last.full = True
+            self.full_declines += 1
+            if self.streams[result.assignment.request_id].tokens:
+                tally.full_resumes += 1
+            else:
+                tally.full_retries += 1
 
     # --- cache-aware placement ---
 
@@ -291,7 +324,7 @@ class Oracles:
                 if view.max_context < request.context_tokens:
                     continue
                 ahead, count = after.get(other, (0, 0))
-                if view.held - count >= view.slots:
+                if view.held - count >= view.slots - view.others:
                     continue
                 if mine > queued[other] - ahead + len(context):
                     self._violation(
@@ -335,16 +368,17 @@ class Oracles:
             self._lose(rid, tally.attempts[-1], now)
         context = len(offer.request.prompt_token_ids) + len(offer.request.output_prefix)
         tally.attempts.append(_Attempt(offer.assignment, worker_id, now, context, progress_at=now))
-        if self.cluster.streams[rid].tokens:
+        if self.streams[rid].tokens:
             tally.resumes += 1
-            if tally.resumes > config.max_resumes:
+            if tally.resumes - tally.full_resumes > config.max_resumes:
                 self._violation(f"{rid}: resume {tally.resumes} > max_resumes {config.max_resumes}")
         else:
             tally.before_first_token += 1
-            if tally.before_first_token > config.max_attempts:
+            if tally.before_first_token - tally.full_retries > config.max_attempts:
                 self._violation(
                     f"{rid}: attempt {tally.before_first_token} before the first token "
-                    f"> max_attempts {config.max_attempts}"
+                    f"> max_attempts {config.max_attempts} (and {tally.full_retries} "
+                    "declined for want of a slot)"
                 )
         holders = self.router.holders(rid)
         if holders != [worker_id]:
@@ -370,9 +404,9 @@ class Oracles:
                 self._violation(f"{request_id}: failed on {where} without a decoder fault there")
             return
         spent = tally is not None and (
-            tally.resumes >= self.config.max_resumes
-            if self.cluster.streams[request_id].tokens
-            else tally.before_first_token >= self.config.max_attempts
+            tally.resumes - tally.full_resumes >= self.config.max_resumes
+            if self.streams[request_id].tokens
+            else tally.before_first_token - tally.full_retries >= self.config.max_attempts
         )
         if not spent:
             self._check_none_fit(request_id, kind, now)
@@ -412,6 +446,8 @@ class Oracles:
         attempt.open = False
         self.attempts_lost += 1
         disturbances = self.disturbances
+        if attempt.full and self.cluster.shared:
+            return  # the worker was full of other routers' work: no fault needed
         if disturbances is not None and not disturbances.explains(
             attempt.worker_id, attempt.offered_at, now
         ):
@@ -469,10 +505,70 @@ class Oracles:
                 )
             self._views[worker_id] = clock[:2]
 
-    # --- worker side ---
+    # --- time ---
+
+    def check_progress(self, now: float, slack_s: float) -> None:
+        """No placed request waits longer than its progress deadline plus the slack
+        (during the faults too): the router gives up on a worker that stopped."""
+        if now - self._last_progress_check < 0.05:
+            return
+        self._last_progress_check = now
+        config = self.config
+        for rid, tally in self._tallies.items():
+            attempt = tally.attempts[-1] if tally.attempts else None
+            if attempt is None or not attempt.open:
+                continue
+            if attempt.streaming:
+                deadline = config.token_timeout_s
+            else:
+                per_token = config.prefill_timeout_per_token_s
+                deadline = config.first_token_timeout_s + attempt.context * per_token
+            waited = now - attempt.progress_at
+            if waited > deadline + slack_s:
+                self._violation(
+                    f"{rid}: attempt {attempt.assignment.attempt} on {attempt.worker_id} "
+                    f"made no progress for {waited:.2f}s (deadline {deadline:.2f}s + "
+                    f"{slack_s:.2f}s), and the router still waits"
+                )
+
+    # --- the end of a run ---
+
+    def check_fences(self, fenced: Counter[str], kinds: set[str]) -> None:
+        """Fence counters that moved with none of their causes in the run."""
+        causes = set(kinds)
+        if self.cluster.attempts_lost():
+            causes.add("attempt_lost")
+        if self.cluster.resends():
+            causes.add("resend")
+        for reason, count in sorted(fenced.items()):
+            allowed = FENCE_CAUSES.get(reason)
+            if count and allowed is not None and not allowed & causes:
+                need = ", ".join(sorted(allowed)) or "nothing: only a bug"
+                self._violation(
+                    f"fence {reason} counted {count} in a run without its causes ({need})"
+                )
+
+
+class WorkerOracles:
+    """The worker-side checks above (answered Resends, waste), for every worker. Keys
+    name the worker process (its start count), since its epochs are per router."""
+
+    def __init__(self, cluster: Cluster, disturbances: Disturbances | None) -> None:
+        self.cluster = cluster
+        self.disturbances = disturbances
+        self.violations: list[str] = []
+        self.waste_s = 0.0  # assignment-seconds workers held work the router did not want
+        self._unwanted: dict[tuple[str, int, Assignment], float] = {}
+        self._last_waste_check = 0.0
+        self._sent: dict[tuple[str, int, Assignment], int] = {}  # tokens a worker sent
+        self._completed: dict[tuple[str, int], deque[Assignment]] = {}
+        self.completions: Counter[tuple[str, int]] = Counter()  # per worker process
+
+    def _violation(self, text: str) -> None:
+        self.violations.append(text)
 
     def after_worker(self, worker_id: str, event: WorkerEvent, effects: list[WorkerEffect]) -> None:
-        epoch = self.cluster.epoch(worker_id)
+        epoch = self.cluster.process(worker_id)
         for effect in effects:
             if not isinstance(effect, SendToRouter):
                 continue
@@ -520,22 +616,22 @@ class Oracles:
                 f"for it with {answers}"
             )
 
-    # --- time ---
-
     def check_waste(self, now: float, bound_s: float, every_s: float) -> None:
-        """No worker keeps an unwanted assignment past the bound once undisturbed."""
+        """No worker keeps an unwanted assignment past the bound once undisturbed.
+        (Work of a router that died is let go of when the worker hears its link
+        close; check_safety sees that it never outlives the link.)"""
         if now - self._last_waste_check < every_s or self.disturbances is None:
             return
         step = now - self._last_waste_check
         self._last_waste_check = now
-        cluster, router = self.cluster, self.router
+        cluster = self.cluster
         unwanted: dict[tuple[str, int, Assignment], float] = {}
         for worker_id, worker in cluster.workers.items():
             if not cluster.alive(worker_id):
                 continue
-            epoch = worker.config.epoch
+            epoch = cluster.process(worker_id)
             for assignment in worker.holds():
-                if router.wants(worker_id, assignment):
+                if cluster.wants(worker_id, assignment) is not False:
                     continue
                 key = (worker_id, epoch, assignment)
                 since = unwanted[key] = self._unwanted.get(key, now)
@@ -547,44 +643,3 @@ class Oracles:
                         f"{held:.3f}s past its last disturbance (bound {bound_s:.3f}s)"
                     )
         self._unwanted = unwanted
-
-    def check_progress(self, now: float, slack_s: float) -> None:
-        """No placed request waits longer than its progress deadline plus the slack
-        (during the faults too): the router gives up on a worker that stopped."""
-        if now - self._last_progress_check < 0.05:
-            return
-        self._last_progress_check = now
-        config = self.config
-        for rid, tally in self._tallies.items():
-            attempt = tally.attempts[-1] if tally.attempts else None
-            if attempt is None or not attempt.open:
-                continue
-            if attempt.streaming:
-                deadline = config.token_timeout_s
-            else:
-                per_token = config.prefill_timeout_per_token_s
-                deadline = config.first_token_timeout_s + attempt.context * per_token
-            waited = now - attempt.progress_at
-            if waited > deadline + slack_s:
-                self._violation(
-                    f"{rid}: attempt {attempt.assignment.attempt} on {attempt.worker_id} "
-                    f"made no progress for {waited:.2f}s (deadline {deadline:.2f}s + "
-                    f"{slack_s:.2f}s), and the router still waits"
-                )
-
-    # --- the end of a run ---
-
-    def check_fences(self, fenced: Counter[str], kinds: set[str]) -> None:
-        """Fence counters that moved with none of their causes in the run."""
-        causes = set(kinds)
-        if self.attempts_lost:
-            causes.add("attempt_lost")
-        if self.router.statistics().resends_requested:
-            causes.add("resend")
-        for reason, count in sorted(fenced.items()):
-            allowed = FENCE_CAUSES.get(reason)
-            if count and allowed is not None and not allowed & causes:
-                need = ", ".join(sorted(allowed)) or "nothing: only a bug"
-                self._violation(
-                    f"fence {reason} counted {count} in a run without its causes ({need})"
-                )

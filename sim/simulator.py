@@ -18,6 +18,16 @@ must reach its terminal outcome and every slot must come back within
 take if it ran one token at a time on the slowest worker (so a slow, small
 cluster is given time to drain, while a stuck one still fails). Safety
 oracles (sim.cluster) run after every single event in both phases.
+
+Several routers: a scenario with `routers` > 1 (every fourth seed of the
+standard mix runs two or three) has every worker linked to every router and
+the clients spread over the routers by a load balancer that skips a router
+that is down. Its own fault, drawn from its own random stream so that the
+single-router seeds draw as before: router_crash, a router process killed
+(its clients' streams are cut, and each cut client sends its request again
+through the balancer a moment later), the workers seeing each link close
+after a short notice, and a new incarnation of the router starting after a
+downtime (or at the heal), with every running worker registering with it.
 """
 
 from __future__ import annotations
@@ -93,12 +103,24 @@ class Scenario:
     )
     # Every Nth seed (N-1, 2N-1, ...) runs the long-run shape instead (0: never).
     long_run_every: int = 0
+    routers: int = 1  # routers sharing the workers
+    # Every Nth seed (N-2, 2N-2, ...) runs two or three routers instead (0: never).
+    shared_every: int = 0
 
     def for_seed(self, seed: int) -> Scenario:
-        """The shape this seed runs: this one, or the long run the mix puts in its place."""
+        """The shape this seed runs: this one, or the long run or shared-workers run the
+        mix puts in its place."""
         every = self.long_run_every
         if every and seed % every == every - 1:
-            return replace(self, **LONG_RUN, long_run_every=0)  # type: ignore[arg-type]
+            return replace(self, **LONG_RUN, long_run_every=0, shared_every=0)  # type: ignore[arg-type]
+        every = self.shared_every
+        if every and seed % every == every - 2:
+            routers = 2 + (seed // every) % 2
+            # Half again as many clients: the routers' offers must compete for slots.
+            requests = self.requests * 3 // 2
+            return replace(
+                self, routers=routers, requests=requests, long_run_every=0, shared_every=0
+            )
         return self
 
 
@@ -186,6 +208,26 @@ def draw_swarm(rng: Random, scenario: Scenario) -> Swarm:
     )
 
 
+@dataclass(frozen=True)
+class RouterFaults:
+    """A shared-workers run's router crashes (drawn from their own random stream)."""
+
+    crashes: tuple[tuple[float, int, float], ...]  # (when, which router, downtime)
+    notice_max_s: float  # each worker sees the link close within this
+    client_retry_max_s: float  # a cut client sends again within this
+
+
+def draw_router_faults(rng: Random, scenario: Scenario) -> RouterFaults:
+    if scenario.routers < 2 or rng.random() < 0.25:  # some shared runs have no crash
+        return RouterFaults((), 0.0, 0.0)
+    window = scenario.fault_end_s
+    crashes = tuple(
+        (rng.uniform(0.5, window), rng.randrange(scenario.routers), rng.uniform(0.1, 2.0))
+        for _ in range(rng.randint(1, 2))
+    )
+    return RouterFaults(tuple(sorted(crashes)), rng.uniform(0.0, 0.5), rng.uniform(0.05, 0.5))
+
+
 @dataclass
 class SimResult:
     seed: int
@@ -203,6 +245,9 @@ class SimResult:
     errors: Counter[str] = field(default_factory=Counter)  # error outcomes by cause
     most_completed: int = 0  # outputs completed by the busiest worker process
     prefill_tokens: tuple[int, int] = (0, 0)  # context tokens admitted, and computed
+    routers: int = 1
+    client_retries: int = 0  # requests sent again after their router died
+    full_declines: int = 0  # attempts a worker declined for want of a slot
     trace_hash: str | None = None
     trace_tail: list[str] = field(default_factory=list)
 
@@ -230,6 +275,8 @@ class Simulation:
         self._clients_rng = Random(f"{seed}/clients")
         self._decoder_rng = Random(f"{seed}/decoder")
         self._logprobs_rng = Random(f"{seed}/logprobs")  # its own: the other draws stay put
+        self._routers_rng = Random(f"{seed}/routers")  # likewise
+        self.router_faults = draw_router_faults(self._routers_rng, self.scenario)
         self.clock = Clock()  # the one clock and event queue: ours and the machines' timers
         self.faults: Counter[str] = Counter()
         self.healed = False
@@ -288,11 +335,18 @@ class Simulation:
             disturbances=self.disturbances,
             kv_block_size=KV_BLOCK,
             largest_request=_LONGEST_PROMPT + self.scenario.mean_new_tokens * 3 // 2 + 1,
+            routers=self.scenario.routers,
         )
+        self._pending_clients = 0  # arrivals (and cut clients' retries) still to come
+        self._placed: dict[int, tuple[str, str]] = {}  # client -> (router id, request id)
+        self._client_retries = 0
+        self._router_down: dict[str, float] = {}  # router place -> when it comes back
         self._trace_on = trace
         self._worker_ids = worker_ids
         self._plan_clients()
         self._plan_faults(worker_ids)
+        for at, which, downtime in self.router_faults.crashes:
+            self.clock.schedule(at, self._crash_router, self.cluster.router_names[which], downtime)
         self.clock.schedule(self.scenario.fault_end_s, self._heal)
 
     # --- the run ---
@@ -316,15 +370,17 @@ class Simulation:
         violation: str | None = None
         self._liveness_deadline = math.inf  # set when everything heals
         try:
-            oracles = self.cluster.oracles
+            cluster = self.cluster
             while (at := self.clock.next_time()) is not None and at <= self._liveness_deadline:
                 self.clock.run_next()
                 self.events += 1
                 if self.events > MAX_EVENTS:  # a livelock (a timer re-armed in the past...)
                     raise InvariantViolation(f"more than {MAX_EVENTS} events: a livelock")
-                self.cluster.check_safety()
-                oracles.check_waste(self.clock.now, self._waste_bound_s, self._waste_every_s)
-                oracles.check_progress(self.clock.now, self._progress_slack_s)
+                cluster.check_safety()
+                now = self.clock.now
+                cluster.worker_oracles.check_waste(now, self._waste_bound_s, self._waste_every_s)
+                for node in cluster.nodes.values():
+                    node.oracles.check_progress(now, self._progress_slack_s)
                 self._schedule_decoders()
                 if self.healed and self._settled():
                     break
@@ -340,13 +396,75 @@ class Simulation:
             violation = f"crash: {type(error).__name__}: {error}"
         return self._result(violation)
 
-    def _arrive(self, request: GenerationRequest) -> None:
-        self.cluster.submit(request)
+    def _arrive(self, client: int, request: GenerationRequest) -> None:
+        """A client's request reaches the load balancer, which sends it to the router
+        whose turn it is, or the next live one; with every router down it tries again
+        a moment later."""
+        cluster = self.cluster
+        live = cluster.live_routers()
+        if not live:
+            self.clock.schedule(self.clock.now + 0.1, self._arrive, client, request)
+            return
+        self._pending_clients -= 1
+        if not cluster.shared:
+            router_id = live[0]
+        else:
+            names = cluster.router_names
+            turn = client % len(names)
+            places = {cluster.nodes[r].name: r for r in live}
+            router_id = next(
+                places[names[(turn + k) % len(names)]]
+                for k in range(len(names))
+                if names[(turn + k) % len(names)] in places
+            )
+            # Each router numbers its own requests: ids collide across routers.
+            node = cluster.nodes[router_id]
+            request = request.renamed(node.new_request_id())
+        self._placed[client] = (router_id, request.request_id)
+        cluster.submit(request, router_id)
 
-    def _client_cancel(self, request_id: str) -> None:
-        if not self.cluster.has_outcome(request_id):
+    def _client_cancel(self, client: int) -> None:
+        placed = self._placed.get(client)
+        if placed is None:
+            return  # not sent yet (every router was down): it gives up before it starts
+        router_id, request_id = placed
+        if not self.cluster.has_outcome(request_id, router_id):
             self.disturbances.note("client_cancel")
-            self.cluster.cancel(request_id)
+            self.cluster.cancel(request_id, router_id)
+
+    # --- routers (shared-workers runs) ---
+
+    def _crash_router(self, name: str, downtime: float) -> None:
+        """kill -9 of a router process: its clients' streams are cut, the workers see
+        each link close after a notice, and it comes back as a new incarnation."""
+        cluster = self.cluster
+        if self.healed or len(cluster.live_routers()) < 2 or name in self._router_down:
+            return  # keep one router up: a cluster with none serves nobody to judge
+        [router_id] = [r for r in cluster.live_routers() if cluster.nodes[r].name == name]
+        self._fault("router_crash", f"{router_id} for {downtime:.2f}s")
+        self.disturbances.note("router_crash")  # no worker's disturbance: none is touched
+        node = cluster.nodes[router_id]
+        cut = [s for s in node.streams.values() if s.outcome is None]
+        rng = self._routers_rng
+        for worker_id in cluster.crash_router(router_id):
+            notice = rng.uniform(0.0, self.router_faults.notice_max_s)
+            self.clock.schedule(
+                self.clock.now + notice, cluster.router_link_lost, worker_id, router_id
+            )
+        for stream in cut:  # the client sees its connection drop and sends it again
+            self._pending_clients += 1
+            self._client_retries += 1
+            again = self.clock.now + rng.uniform(0.0, self.router_faults.client_retry_max_s)
+            client = -self._client_retries  # a new client: its cancel (if any) is not re-sent
+            self.clock.schedule(again, self._arrive, client, stream.request)
+        self._router_down[name] = self.clock.now + downtime
+        self.clock.schedule(self.clock.now + downtime, self._restart_router, name)
+
+    def _restart_router(self, name: str) -> None:
+        if name in self._router_down:
+            del self._router_down[name]
+            node = self.cluster.start_router(name)
+            self._trace_note(f"router {name} starts again as {node.router_id}")
 
     def _scheduled_restart(self, worker_id: str) -> None:
         if self.cluster.is_down(worker_id):  # the heal may have restarted it already
@@ -402,7 +520,8 @@ class Simulation:
             return
         cluster = self.cluster
         was_disturbed = self.disturbances.explains(worker_id, self.clock.now, self.clock.now)
-        epoch = cluster.register(worker_id)
+        router_id = cluster.live_routers()[0]
+        epoch = cluster.register(worker_id, router_id)
         if epoch is None:
             self._fault("impostor", f"{worker_id} refused")
             return
@@ -413,17 +532,21 @@ class Simulation:
             self._stop_process(worker_id)  # its connection was closed: a new session
             self.clock.schedule(self.clock.now + 0.05, self._scheduled_restart, worker_id)
         leaves = self.clock.now + self._faults_rng.uniform(0.05, 0.5)
-        self.clock.schedule(leaves, cluster.worker_gone, worker_id, epoch)
+        self.clock.schedule(leaves, cluster.worker_gone, worker_id, epoch, router_id)
 
     def _future_epoch(self, worker_id: str, ahead: int) -> None:
         """A heartbeat under worker_id naming an epoch the router never handed out
         (a process whose idea of its epoch came from a clock running ahead)."""
         if self.healed:
             return
+        router_id = self.cluster.live_routers()[0]
+        if router_id not in self.cluster.links(worker_id):
+            return  # not linked there now (down, or that router just came up)
         self._fault("future_epoch", f"{worker_id} +{ahead}")
         self.disturbances.note("future_epoch")  # explains the fence, disturbs nothing
-        epoch = self.cluster.epoch(worker_id) + ahead
-        self.cluster.inject_heartbeat(Heartbeat(worker_id, epoch, 1, 4, 4, 4096))
+        epoch = self.cluster.epoch(worker_id, router_id) + ahead
+        heartbeat = Heartbeat(worker_id, epoch, 1, 4, 4, 4096)
+        self.cluster.inject_heartbeat(heartbeat, router_id)
 
     def _misbehaviour(self, worker_id: str) -> str | None:
         """How this step of a misbehaving decoder goes wrong, if it does."""
@@ -434,8 +557,7 @@ class Simulation:
         return rng.choice(MISBEHAVIOURS) if rng.random() < 0.3 else None
 
     def _settled(self) -> bool:
-        cluster = self.cluster
-        return cluster.submitted() >= self.scenario.requests and cluster.settled()
+        return self._pending_clients == 0 and self.cluster.settled()
 
     # --- clients ---
 
@@ -474,12 +596,13 @@ class Simulation:
                 Sampling(temperature, 1.0, seed),
                 logprobs=logprobs,
             )
-            self.clock.schedule(t, self._arrive, request)
+            self._pending_clients += 1
+            self.clock.schedule(t, self._arrive, index, request)
             if rng.random() < self.swarm.cancel_rate:
                 # Some clients give up at once (a stop button, a short client timeout),
                 # often while the offer is still on its way; the rest at any moment.
                 after = rng.uniform(0.0, 0.1) if rng.random() < 0.3 else rng.uniform(0.0, 3.0)
-                self.clock.schedule(t + after, self._client_cancel, request.request_id)
+                self.clock.schedule(t + after, self._client_cancel, index)
 
     # --- network ---
 
@@ -608,11 +731,11 @@ class Simulation:
         self._stop_process(worker_id)
         notice = self.swarm.crash_notice_s
         if notice is not None and notice < downtime:
-            epoch = self.cluster.epoch(worker_id)
-            self.clock.schedule(self.clock.now + notice, self._crash_notice, worker_id, epoch)
+            links = self.cluster.links(worker_id)
+            self.clock.schedule(self.clock.now + notice, self._crash_notice, worker_id, links)
         self.clock.schedule(self.clock.now + downtime, self._scheduled_restart, worker_id)
 
-    def _stop_process(self, worker_id: str) -> None:
+    def _stop_process(self, worker_id: str) -> dict[str, int]:
         """The worker's process ends (a crash, or a drained worker exiting)."""
         self.cluster.crash_worker(worker_id)
         self._generation[worker_id] += 1
@@ -624,11 +747,14 @@ class Simulation:
         drain = self._draining.pop(worker_id, None)
         if drain is not None:
             self.disturbances.close(worker_id, drain, self.clock.now)
+        return self.cluster.links(worker_id)
 
-    def _crash_notice(self, worker_id: str, epoch: int) -> None:
-        """The connection of the crashed process is seen to close (a TCP reset)."""
+    def _crash_notice(self, worker_id: str, links: dict[str, int]) -> None:
+        """The connections of the crashed process are seen to close (TCP resets): each
+        router it was linked to hears of its own."""
         self._fault("crash_notice", worker_id)
-        self.cluster.worker_gone(worker_id, epoch)
+        for router_id, epoch in links.items():
+            self.cluster.worker_gone(worker_id, epoch, router_id)
 
     def _restart(self, worker_id: str, backoff_s: float = 0.05) -> None:
         self._trace_note(f"restart {worker_id}")
@@ -665,11 +791,11 @@ class Simulation:
             self.clock.schedule(self.clock.now + 0.05, self._drain_check, worker_id, generation)
             return
         self._trace_note(f"drained {worker_id} exits")
-        epoch = self.cluster.epoch(worker_id)
         downtime = self._faults_rng.uniform(0.05, 0.5)
         self._open_crash[worker_id] = self._disturb(worker_id, "drain", downtime)
-        self._stop_process(worker_id)
-        self.cluster.worker_gone(worker_id, epoch)  # a clean exit closes the connection
+        links = self._stop_process(worker_id)
+        for router_id, epoch in links.items():  # a clean exit closes its connections
+            self.cluster.worker_gone(worker_id, epoch, router_id)
         self.clock.schedule(self.clock.now + downtime, self._scheduled_restart, worker_id)
 
     def _stall(self, worker_id: str, duration_s: float) -> None:
@@ -709,6 +835,8 @@ class Simulation:
         self._partitions.clear()
         for worker_id, until in list(self._hung_until.items()):
             self._decoder_unhang(worker_id, until)
+        for name in list(self._router_down):
+            self._restart_router(name)
         for worker_id in self.cluster.crashed():
             self._restart(worker_id)
         for worker_id in self.cluster.stalled():
@@ -760,11 +888,14 @@ class Simulation:
             outcomes=cluster.outcomes(),
             faults=self.faults,
             fenced=cluster.fenced(),
-            resumes=cluster.router.statistics().resumes,
-            attempts_lost=cluster.oracles.attempts_lost,
-            waste_s=cluster.oracles.waste_s,
+            resumes=cluster.resumes(),
+            attempts_lost=cluster.attempts_lost(),
+            waste_s=cluster.waste_s(),
             errors=cluster.error_causes(),
-            most_completed=max(cluster.oracles.completions.values(), default=0),
+            most_completed=max(cluster.worker_oracles.completions.values(), default=0),
+            routers=self.scenario.routers,
+            client_retries=self._client_retries,
+            full_declines=cluster.full_declines(),
             prefill_tokens=(cluster.prefill_tokens[0], cluster.prefill_tokens[1]),
             trace_hash=self._hash.hexdigest() if self._hash is not None else None,
             trace_tail=list(self._tail),
@@ -780,7 +911,8 @@ def _brief(packet: Packet) -> str:
     return f"{packet.source}->{to} {type(packet.message).__name__}"
 
 
-STANDARD = Scenario(long_run_every=40)  # the standard sweep: the default shape, long runs mixed in
+# The standard sweep: the default shape, with long runs and shared-workers runs mixed in.
+STANDARD = Scenario(long_run_every=40, shared_every=4)
 
 
 def run_seed(

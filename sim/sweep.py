@@ -27,6 +27,9 @@ class SweepSummary:
     faults: Counter[str] = field(default_factory=Counter)
     fenced: Counter[str] = field(default_factory=Counter)
     resumes: int = 0
+    shared_runs: int = 0  # runs with several routers sharing the workers
+    client_retries: int = 0
+    full_declines: int = 0
     attempts_lost: int = 0
     waste_s: float = 0.0
     errors: Counter[str] = field(default_factory=Counter)
@@ -46,6 +49,9 @@ class SweepSummary:
         self.faults.update(result.faults)
         self.fenced.update(result.fenced)
         self.resumes += result.resumes
+        self.shared_runs += result.routers > 1
+        self.client_retries += result.client_retries
+        self.full_declines += result.full_declines
         self.attempts_lost += result.attempts_lost
         self.waste_s += result.waste_s
         self.errors.update(result.errors)
@@ -59,6 +65,7 @@ def replay_command(seed: int, scenario: Scenario | None = None) -> str:
     command = f"fencepost sim --seed {seed} --trace"
     if scenario is not None and scenario != STANDARD:
         command += f" --workers {scenario.workers} --requests {scenario.requests}"
+        command += f" --routers {scenario.routers}" if scenario.routers > 1 else ""
     return command
 
 

@@ -40,6 +40,19 @@ REGRESSION_SEEDS = [
         "an OfferResult now says after which heartbeat the worker took the assignment",
     ),
     (
+        182,
+        STANDARD,
+        "an unseeded request on shared workers reached attempt 7, past the attempts the "
+        "stream oracle drew references for: declines for want of a slot spend no "
+        "attempt, so the oracle now looks further for the attempt a first token came from",
+    ),
+    (
+        272,
+        STANDARD,
+        "a resume declined for want of a slot (one router whose view was off) spent no "
+        "resume at the router but counted as one in the oracle; both count alike now",
+    ),
+    (
         6698,
         Scenario(),
         "a resumed stream queued for a slot when the last fitting worker went away was "
@@ -114,6 +127,17 @@ def test_the_sweep_reaches_the_paths_the_old_one_never_did(default_sweep: SweepS
     assert default_sweep.errors[queued_resume] > 0
     # every loss of an attempt was explained by a fault on its worker, and there were many
     assert default_sweep.attempts_lost > 5 * default_sweep.runs
+
+
+def test_the_sweep_runs_routers_that_share_workers_and_crash(default_sweep: SweepSummary) -> None:
+    # every 4th seed: two or three routers, each worker linked to all of them
+    assert default_sweep.shared_runs >= DEFAULT_SWEEP_SEEDS // 4 - DEFAULT_SWEEP_SEEDS // 40
+    # their offers competed for slots: workers declined for want of one, at no cost
+    assert default_sweep.full_declines > default_sweep.shared_runs
+    # routers died under load; their clients sent again, and those completed elsewhere
+    assert default_sweep.faults["router_crash"] > default_sweep.shared_runs // 2
+    assert default_sweep.outcomes["cut"] > 0
+    assert default_sweep.client_retries == default_sweep.outcomes["cut"]
 
 
 def test_a_seed_replays_exactly() -> None:

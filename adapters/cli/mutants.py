@@ -164,14 +164,14 @@ MUTANTS = (
     Mutant(
         "router retries one attempt past max_attempts",
         "core/requests.py",
-        "        if req.attempt >= self.config.max_attempts:\n",
-        "        if req.attempt > self.config.max_attempts:\n",
+        "        if req.attempt - req.full_retries >= self.config.max_attempts:\n",
+        "        if req.attempt - req.full_retries > self.config.max_attempts:\n",
     ),
     Mutant(
         "router resumes one time past max_resumes",
         "core/requests.py",
-        'if kind == "failed" or req.resumes >= self.config.max_resumes:',
-        'if kind == "failed" or req.resumes > self.config.max_resumes:',
+        'if kind == "failed" or req.resumes - req.full_resumes >= self.config.max_resumes:',
+        'if kind == "failed" or req.resumes - req.full_resumes > self.config.max_resumes:',
     ),
     Mutant(
         "router accepts a heartbeat of an epoch it retired",
@@ -268,6 +268,51 @@ MUTANTS = (
         "        if report is None or self.now - worker.cache_seen_at > "
         "self.config.cache_report_max_age_s:\n",
         "        if report is None:\n",
+    ),
+    # Several routers sharing workers (issue 19).
+    Mutant(
+        "worker's lost link ends every router's work",
+        "core/worker.py",
+        "        for assignment in [a for a in self._active if a.router == router]:\n",
+        "        for assignment in list(self._active):\n",
+    ),
+    Mutant(
+        "worker keeps a lost router's work running",
+        "core/worker.py",
+        "        for assignment in [a for a in self._active if a.router == router]:\n",
+        "        for assignment in [a for a in self._active if a.router == router][:0]:\n",
+    ),
+    Mutant(
+        "worker supersedes another router's request of the same id",
+        "core/worker.py",
+        "            if assignment.request_id == offered.request_id and assignment.router == "
+        "offered.router:\n",
+        "            if assignment.request_id == offered.request_id:\n",
+    ),
+    Mutant(
+        "worker lists every router's work to each router",
+        "core/worker.py",
+        "            active=tuple(a for a in self._active if a.router == router),\n",
+        "            active=tuple(self._active),\n",
+    ),
+    Mutant(
+        "worker counts free slots per router",
+        "core/worker.py",
+        "        if self.free_slots <= 0 or self.draining:\n",
+        "        mine = sum(a.router == offer.assignment.router for a in self._active)\n"
+        "        if self.config.slots - mine <= 0 or self.draining:\n",
+    ),
+    Mutant(
+        "worker checks an offer's epoch against its first link",
+        "core/worker.py",
+        "        if offer.epoch != link.epoch:\n",
+        "        if offer.epoch != next(iter(self._links.values())).epoch:\n",
+    ),
+    Mutant(
+        "router spends an attempt on a full shared worker",
+        "core/requests.py",
+        '            self._attempt_lost(req, "no_worker", "declined: no_slot", out, full=True)\n',
+        '            self._attempt_lost(req, "no_worker", "declined: no_slot", out)\n',
     ),
 )
 

@@ -30,6 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=positive, default=None)
     parser.add_argument("--requests", type=positive, default=None)
     parser.add_argument(
+        "--routers",
+        type=positive,
+        default=None,
+        help="routers sharing the workers, for every seed (default: the standard mix, "
+        "where every 4th seed runs two or three)",
+    )
+    parser.add_argument(
         "--coverage",
         action="store_true",
         help="after a sweep, list every move of every machine table with its count",
@@ -45,10 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from sim.simulator import STANDARD, Scenario
 
-    scenario = STANDARD  # the default shape with long runs mixed in
-    if args.workers or args.requests:  # a shape of its own: no long runs
+    scenario = STANDARD  # the default shape with long runs and shared-workers runs mixed in
+    if args.workers or args.requests or args.routers:  # a shape of its own: no mix
         scenario = Scenario(
-            workers=args.workers or Scenario.workers, requests=args.requests or Scenario.requests
+            workers=args.workers or Scenario.workers,
+            requests=args.requests or Scenario.requests,
+            routers=args.routers or 1,
         )
     if args.seed is not None:
         return run_one(args.seed, scenario, args.trace)
@@ -79,12 +88,18 @@ def run_sweep(
     print(
         f"scenario: {scenario.workers} workers, {scenario.requests} requests of about "
         f"{scenario.mean_new_tokens} tokens, faults until t={scenario.fault_end_s}s"
+        + (f", {scenario.routers} routers sharing the workers" if scenario.routers > 1 else "")
     )
     if scenario.long_run_every:
         print(
             f"  every {scenario.long_run_every}th seed a long run instead: "
             f"{LONG_RUN['workers']} workers, {LONG_RUN['requests']} requests over "
             f"{LONG_RUN['arrival_window_s']:.0f}s, faults until t={LONG_RUN['fault_end_s']:.0f}s"
+        )
+    if scenario.shared_every:
+        print(
+            f"  every {scenario.shared_every}th seed (from seed {scenario.shared_every - 2}) "
+            "two or three routers share the workers, and routers crash and restart"
         )
     began = time.perf_counter()
     summary = SweepSummary()
@@ -113,6 +128,12 @@ def _print_result_line(result: SimResult) -> None:
         f"virtual time {result.virtual_time_s:.2f}s"
     )
     print(f"  outcomes: {_counts(result.outcomes)}; streams resumed: {result.resumes}")
+    if result.routers > 1:
+        print(
+            f"  {result.routers} routers share the workers; offers declined for want of "
+            f"a slot: {result.full_declines}; requests sent again after their router died: "
+            f"{result.client_retries}"
+        )
     print(f"  faults injected: {_counts(result.faults)}")
     print(f"  messages fenced: {_counts(result.fenced)}")
 
@@ -125,6 +146,11 @@ def _print_summary(summary: SweepSummary, elapsed_s: float) -> None:
     print(f"events {summary.events}")
     print(f"outcomes: {_counts(summary.outcomes)}")
     print(f"streams resumed after their first token: {summary.resumes}")
+    print(
+        f"runs with routers sharing the workers: {summary.shared_runs}; offers declined for "
+        f"want of a slot: {summary.full_declines}; requests sent again after their router "
+        f"died: {summary.client_retries}"
+    )
     print(f"attempts given up and explained by a fault on their worker: {summary.attempts_lost}")
     print(f"errors by cause: {_counts(summary.errors)}")
     print(f"faults injected by kind: {_counts(summary.faults)}")
