@@ -198,13 +198,16 @@ def build_model(options: ServeOptions) -> tuple[ServedModel, Decoder | None]:
             else None
         )
         return FakeChatModel(name, options.max_context), decoder
-    from adapters.engine.model import load_model
+    from adapters.engine.model import load_boundary, load_model
 
+    if not options.local_worker:  # a router only: the tokenizer, never the weights
+        boundary = load_boundary(options.model)
+        max_context = min(options.max_context, boundary.max_context)
+        name = options.served_model_name or boundary.name
+        return ChatModel(name, boundary.tokenizer, max_context), None
     loaded = load_model(options.model)
     max_context = min(options.max_context, loaded.max_context)
     model = ChatModel(options.served_model_name or loaded.name, loaded.tokenizer, max_context)
-    if not options.local_worker:
-        return model, None
     slots, weights, threads = options.slots, options.weights, options.threads
     on_thread = engine_decoder(
         loaded,

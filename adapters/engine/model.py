@@ -119,6 +119,46 @@ def load_model(
     return _finish(model, tokenizer, name, torch_device, torch_dtype, str(directory), began, speak)
 
 
+@dataclass
+class Boundary:
+    """What a router without a local worker needs of the model: its tokenizer, name and
+    context length, without its weights."""
+
+    tokenizer: Any
+    name: str
+    max_context: int
+
+
+def load_boundary(path: str | Path | None = None, quiet: bool = False) -> Boundary:
+    """The tokenizer and configuration of the model `load_model` would load, without
+    reading its weights (a router that serves only through remote workers). The
+    default GGUF's dequantized cache is used when present; otherwise the GGUF's
+    metadata is parsed (slow once, as for load_model) and nothing is cached."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    speak = (lambda _: None) if quiet else say
+    target = Path(path) if path is not None else default_gguf_path()
+    if not target.exists():
+        raise ModelNotFound(f"model path {target} does not exist")
+    began = time.monotonic()
+    name = target.name
+    source: dict[str, Any] = {}
+    directory = target
+    if target.suffix == ".gguf":
+        name = DEFAULT_MODEL_NAME if path is None else target.stem
+        cached = cache_root() / "models" / f"{target.stem}-{fingerprint(target)}"
+        if (cached / "config.json").is_file():
+            directory = cached
+        else:
+            speak(f"reading {target.name}'s tokenizer: parsing GGUF metadata takes ~20-30 s")
+            directory, source = target.parent, {"gguf_file": target.name}
+    tokenizer = AutoTokenizer.from_pretrained(directory, **source)
+    config = AutoConfig.from_pretrained(directory, **source)
+    max_context = int(getattr(config, "max_position_embeddings", 2048))
+    speak(f"{name}'s tokenizer ready in {time.monotonic() - began:.1f} s (no weights loaded)")
+    return Boundary(tokenizer, name, max_context)
+
+
 def _finish(
     model: Any,
     tokenizer: Any,
