@@ -127,18 +127,20 @@ def perplexities(
     from the cache where measured before; new measurements are added to it."""
     path = gate_cache(loaded, tokens)
     known: dict[str, float] = json.loads(path.read_text()) if path.is_file() else {}
-    ids = text_tokens(loaded, tokens)
-    for fmt in ["fp32", *formats]:
-        if fmt in known:
-            continue
-        if say is not None:
-            say(f"quality gate: scoring {fmt} weights on {tokens} tokens of reference text")
-        blocks = -(-(tokens + 1) // DEFAULT_BLOCK_SIZE)
-        runner = LlamaRunner(loaded.model, blocks, DEFAULT_BLOCK_SIZE, tokens + 1, fmt)
-        known[fmt] = perplexity(runner, ids)
-        del runner
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(known, indent=1, sort_keys=True))
+    missing = [fmt for fmt in ["fp32", *formats] if fmt not in known]
+    if missing:
+        ids = text_tokens(loaded, tokens)
+        for fmt in missing:
+            if say is not None:
+                say(f"quality gate: scoring {fmt} weights on {tokens} tokens of reference text")
+            blocks = -(-(tokens + 1) // DEFAULT_BLOCK_SIZE)
+            runner = LlamaRunner(loaded.model, blocks, DEFAULT_BLOCK_SIZE, tokens + 1, fmt)
+            known[fmt] = perplexity(runner, ids)
+            del runner
+        # Written only when something was measured: a cache baked into a read-only
+        # image stays as it is.
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(known, indent=1, sort_keys=True))
     return {fmt: known[fmt] for fmt in ["fp32", *formats]}
 
 
