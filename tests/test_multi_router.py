@@ -33,16 +33,21 @@ from tests.test_serve_process import LogWatcher, fencepost, wait_for
 SLOTS = 4
 
 
-def undisturbed(content: str, tokens: int) -> str:
-    """The text a fake worker (ignoring EOS) makes for one user message, greedy."""
+def undisturbed(content: str, tokens: int, *, eos: bool = False) -> str:
+    """The text a fake worker makes for one user message, greedy; ignoring EOS unless
+    `eos` (then the output ends at the fake model's EOS, which has no text)."""
     from adapters.openai.models import FakeChatModel
     from adapters.openai.normalize import ChatMessage
-    from core.fake_model import reference_tokens
+    from core.fake_model import EOS_TOKEN, reference_output, reference_tokens
     from core.protocol import GenerationRequest
 
     model = FakeChatModel("fake")
     prompt = tuple(model.tokenize_chat([ChatMessage("user", content)]))
-    return model.decode(reference_tokens(GenerationRequest("x", prompt, tokens), tokens))
+    request = GenerationRequest("x", prompt, tokens)
+    if eos:
+        output, _ = reference_output(request)
+        return model.decode([token for token in output if token != EOS_TOKEN])
+    return model.decode(reference_tokens(request, tokens))
 
 
 def start_router(name: str, worker_port: int = 0) -> tuple[subprocess.Popen[str], str, str]:
@@ -245,9 +250,8 @@ def test_the_cluster_command_answers_through_its_balancer_and_stops_cleanly() ->
         assert len(children) == 4
         base = f"http://127.0.0.1:{port}"
         for i in range(4):  # round robin: both routers answer
-            assert chat(base, f"through the balancer {i}", 8) == undisturbed(
-                f"through the balancer {i}", 8
-            )
+            content = f"through the balancer {i}"
+            assert chat(base, content, 8) == undisturbed(content, 8, eos=True)
         cluster.send_signal(signal.SIGTERM)
         assert cluster.wait(20) == 0
         for pid in children:
