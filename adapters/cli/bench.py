@@ -110,6 +110,10 @@ def _drill_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=positive, default=20, help="seconds of load")
     parser.add_argument("--kill-at", type=positive, default=6, help="seconds into the load")
     parser.add_argument("--tokens", type=positive, default=100)
+    parser.add_argument(
+        "--routers", type=positive, default=1,
+        help="routers sharing the workers; above 1, kill -9 a router instead of a worker",
+    )  # fmt: skip
 
 
 def _drill(args: argparse.Namespace) -> int:
@@ -122,6 +126,7 @@ def _drill(args: argparse.Namespace) -> int:
             duration_s=args.duration,
             kill_at_s=args.kill_at,
             tokens=args.tokens,
+            routers=args.routers,
         )
     )
 
