@@ -84,6 +84,11 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
         help="also run llama-cpp-python's server with this Python (one with "
         "llama-cpp-python[server] installed) on the same GGUF and load",
     )
+    parser.add_argument(
+        "--url", default=None, metavar="http://127.0.0.1:PORT",
+        help="drive a server already running here (e.g. fencepost cluster) instead of "
+        "starting one",
+    )  # fmt: skip
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -100,6 +105,7 @@ def _serve(args: argparse.Namespace) -> int:
         baselines=args.baselines,
         threads=args.threads,
         peer_llama_cpp=args.peer_llama_cpp,
+        url=args.url,
     )
     return serve.main(load)
 
