@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import requests
 import trio
@@ -249,9 +250,17 @@ def test_the_cluster_command_answers_through_its_balancer_and_stops_cleanly() ->
         children = [int(m) for m in re.findall(r"pid (\d+)", "".join(log.lines))]
         assert len(children) == 4
         base = f"http://127.0.0.1:{port}"
-        for i in range(4):  # round robin: both routers answer
+        for i in range(4):
             content = f"through the balancer {i}"
             assert chat(base, content, 8) == undisturbed(content, 8, eos=True)
+        logs = Path(log.find(r"logs in (\S+)").group(1))
+        for router in ("r1", "r2"):  # round robin: each router answered two
+            text = (logs / f"{router}.log").read_text()
+            found = re.search(r"serving fake on (http://127\.0\.0\.1:\d+)/v1", text)
+            assert found is not None
+            answered = requests.get(f"{found.group(1)}/metrics", timeout=5).text
+            counts = re.findall(r"^fencepost_requests_total\{.*\} (\S+)$", answered, re.MULTILINE)
+            assert sum(float(count) for count in counts) == 2
         cluster.send_signal(signal.SIGTERM)
         assert cluster.wait(20) == 0
         for pid in children:
