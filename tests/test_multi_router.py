@@ -26,7 +26,9 @@ import trio
 from adapters.runtime.controller import Controller
 from adapters.runtime.tcp import Address, RemoteWorker, serve_workers
 from adapters.runtime.worker_host import FakeDecoder
+from core.protocol import Heartbeat, Register
 from core.router import RouterConfig
+from core.wire import encode_frame
 from core.worker import WorkerConfig
 from tests.runtime_helpers import healthy, kill_all, wait_until
 from tests.test_serve_process import LogWatcher, fencepost, wait_for
@@ -275,3 +277,41 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_a_refusal_by_one_router_stops_only_a_worker_that_serves_no_other() -> None:
+    """Refused names no router, so a worker linked elsewhere keeps serving (the refusing
+    address may be a second way to a router it has); refused everywhere, it stops."""
+
+    async def main() -> None:
+        config = RouterConfig(router_id="rb", heartbeat_timeout_s=30)
+        routers = [Controller(RouterConfig(router_id="ra")), Controller(config)]
+        async with trio.open_nursery() as nursery:
+            ports = []
+            for controller in routers:
+                await nursery.start(controller.run)
+                ports.append(await nursery.start(serve_workers, controller, "127.0.0.1", 0))
+            # another process holds the id w1 at router rb
+            squatter = await trio.open_tcp_stream("127.0.0.1", ports[1])
+            await squatter.send_all(encode_frame(Register("w1")))
+
+            async def heartbeats() -> None:
+                for seq in range(1, 200):  # alive for the test's length, at most 20 s
+                    await squatter.send_all(encode_frame(Heartbeat("w1", 0, seq, 1, 1, 2048)))
+                    await trio.sleep(0.1)
+
+            nursery.start_soon(heartbeats)
+            await wait_until(routers[1], lambda s: "w1" in healthy(s))
+            both = [("127.0.0.1", ports[0]), ("127.0.0.1", ports[1])]
+            linked = RemoteWorker(both, WorkerConfig("w1"), FakeDecoder(), refused_grace_s=0.3)
+            nursery.start_soon(linked.run)
+            await wait_until(routers[0], lambda s: "w1" in healthy(s))
+            alone = RemoteWorker([both[1]], WorkerConfig("w1"), FakeDecoder(), refused_grace_s=0.3)
+            with trio.fail_after(5):
+                await alone.run()  # returns: refused for the grace, and linked nowhere
+            assert alone.refused is not None and not alone.links
+            assert linked.refused is None and set(linked.links) == {"ra"}
+            nursery.cancel_scope.cancel()
+        await squatter.aclose()
+
+    trio.run(main)
