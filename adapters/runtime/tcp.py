@@ -419,7 +419,7 @@ class RemoteWorker:
             except OSError as error:  # keep the last answer: a DNS hiccup is not a router's death
                 log.warning("cannot resolve %s:%d: %s", *target, error)
                 continue
-            if found != self._resolved.get(target):
+            if found != self._resolved.get(target) and found != {target}:  # a name's answer
                 shown = ", ".join(f"{h}:{p}" for h, p in sorted(found))
                 log.info("%s:%d is %s", *target, shown or "nothing")
             self._resolved[target] = found
