@@ -38,6 +38,17 @@ def test_the_worker_loss_drill_loses_only_started_streams_and_leaks_nothing() ->
     assert "afterwards: 0 open requests, 0 slots held, 1 healthy worker(s)" in out
 
 
+def test_the_router_loss_drill_leaves_the_surviving_routers_clients_untouched() -> None:
+    out = fencepost("bench", "drill", "--routers", "2", "--clients", "6", "--duration", "5",
+                    "--kill-at", "2", "--tokens", "40")  # fmt: skip
+    assert "killed router r1" in out
+    survivor = out.split("router r2 (survived)", 1)[1]
+    kinds = dict(re.findall(r"^\s{4}(\S.*?)\s{2,}(\d+)", survivor, re.MULTILINE))
+    assert int(kinds["completed"]) > 0 and "cut mid-stream" not in kinds, out
+    assert "afterwards: 0 open requests, 0 slots held, 2 healthy worker(s)" in out
+    assert "the surviving routers' clients saw no error" in out
+
+
 def test_bench_quality_reports_every_working_format_against_fp32() -> None:
     out = fencepost("bench", "quality", "--tokens", "128", "--generate", "6")
     rows = dict(re.findall(r"^\s{2}(fp32|bf16|int8|int4)\s+(\S+)", out, re.MULTILINE))

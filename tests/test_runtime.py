@@ -252,7 +252,7 @@ def test_tcp_worker_serves_and_bad_connections_leave_running_streams_alone() -> 
         async with trio.open_nursery() as nursery:
             await nursery.start(controller.run)
             port = await nursery.start(serve_workers, controller, "127.0.0.1", 0, limits)
-            remote = RemoteWorker("127.0.0.1", port, worker("r1"), decoder)
+            remote = RemoteWorker([("127.0.0.1", port)], worker("r1"), decoder)
             nursery.start_soon(remote.run)
             await wait_until(controller, lambda s: "r1" in healthy(s))
             streams = [controller.submit(request(i, max_new=200)) for i in range(4)]

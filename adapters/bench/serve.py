@@ -13,15 +13,22 @@ adds, in the same run and with the same load, the naive sequential-generate
 server (adapters/bench/naive_server.py) and `transformers serve --continuous-batching`.
 
 Every request is greedy (temperature 0) so every system does the same work.
+
+--url http://127.0.0.1:PORT drives a server already running on this machine
+(`fencepost cluster`, say) instead of starting one: the same clients and rows,
+the model the server lists first, no engine comparison and no baselines.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import sys
 import time
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +64,7 @@ class ServeLoad:
     baselines: bool
     threads: int | None
     peer_llama_cpp: str | None = None  # a Python with llama-cpp-python[server] installed
+    url: str | None = None  # drive the server there instead of starting one
 
     @property
     def top(self) -> int:
@@ -201,6 +209,9 @@ def main(load: ServeLoad) -> int:
     print(f"fencepost bench serve: {load.tokens} tokens per request, {load.rounds} request(s)"
           f" per client, greedy; {os.cpu_count()} CPUs; torch threads {load.threads or 'default'};"
           f" logs in {logs}", flush=True)  # fmt: skip
+    if load.url is not None:
+        report(load, measure_running(load, load.url), [], None)
+        return 0
     served = measure_fencepost(load, logs)
     engine_rate = None if load.fake else engine_only(load)
     base_rows = run_baselines(load, logs) if load.baselines and not load.fake else []
@@ -208,6 +219,30 @@ def main(load: ServeLoad) -> int:
         base_rows += llama_cpp_rows(load, logs)
     report(load, served, base_rows, engine_rate)
     return 0
+
+
+def measure_running(load: ServeLoad, url: str) -> Served:
+    """The rows of a server already running at url (loopback only: the clients dial
+    127.0.0.1), for the model it lists first."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.hostname not in ("127.0.0.1", "localhost") or parts.port is None:
+        raise SystemExit(f"--url must be http://127.0.0.1:PORT, not {url!r}")
+    port = parts.port
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as reply:
+        model = str(json.loads(reply.read())["data"][0]["id"])
+    print(f"  driving the server at http://127.0.0.1:{port} (model {model})", flush=True)
+    served = Served()
+    trio.run(run_level, port, "warm-up", 1, load.warm_up(), model)
+    for c in load.concurrency:
+        served.rows.append(trio.run(run_level, port, "fencepost", c, load, model))
+        print(served.rows[-1].row(), flush=True)
+    if load.mixed:
+        top = load.top
+        extra = [SLOW] * max(1, top // 4) + [HANG_UP] * max(1, top // 4)
+        label = f"fencepost + {top // 4 or 1} slow, {top // 4 or 1} hang-up"
+        served.rows.append(trio.run(run_level, port, label, top, load, model, extra))
+        print(served.rows[-1].row(), flush=True)
+    return served
 
 
 def measure_fencepost(load: ServeLoad, logs: Path) -> Served:
@@ -335,7 +370,8 @@ def report(
     print(HEADER)
     for row in [*rows, *base_rows]:
         print(row.row())
-    print(f"  fencepost server peak RSS: {served.rss_mb:.0f} MB")
+    if load.url is None:  # a server it did not start is not its to measure
+        print(f"  fencepost server peak RSS: {served.rss_mb:.0f} MB")
     clean = {r.concurrency: r for r in rows if r.label == "fencepost"}
     top = load.top
     naive = next((r for r in base_rows if r.label.startswith("naive") and r.concurrency == 1), None)
@@ -359,8 +395,9 @@ def report(
         noisy = rows[-1]
         ratio = noisy.itl(99) / clean[top].itl(99)
         print(f"  fast clients' ITL p99 with slow readers / clean: {ratio:.2f}x (goal <= 1.5x)")
-        print(f"  left behind after the mixed run: {leaked.get('fencepost_active_requests')} "
-              f"requests, {leaked.get('fencepost_slots_used')} slots (must be 0)")  # fmt: skip
+        if leaked:
+            print(f"  left behind after the mixed run: {leaked.get('fencepost_active_requests')} "
+                  f"requests, {leaked.get('fencepost_slots_used')} slots (must be 0)")  # fmt: skip
     if engine_rate is not None and top in clean:
         overhead = 1 - clean[top].rate / engine_rate
         print(f"  engine alone at {top}: {engine_rate:.1f} tokens/s; HTTP + router overhead "

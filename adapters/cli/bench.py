@@ -84,6 +84,11 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
         help="also run llama-cpp-python's server with this Python (one with "
         "llama-cpp-python[server] installed) on the same GGUF and load",
     )
+    parser.add_argument(
+        "--url", default=None, metavar="http://127.0.0.1:PORT",
+        help="drive a server already running here (e.g. fencepost cluster) instead of "
+        "starting one",
+    )  # fmt: skip
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -100,6 +105,7 @@ def _serve(args: argparse.Namespace) -> int:
         baselines=args.baselines,
         threads=args.threads,
         peer_llama_cpp=args.peer_llama_cpp,
+        url=args.url,
     )
     return serve.main(load)
 
@@ -110,6 +116,10 @@ def _drill_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=positive, default=20, help="seconds of load")
     parser.add_argument("--kill-at", type=positive, default=6, help="seconds into the load")
     parser.add_argument("--tokens", type=positive, default=100)
+    parser.add_argument(
+        "--routers", type=positive, default=1,
+        help="routers sharing the workers; above 1, kill -9 a router instead of a worker",
+    )  # fmt: skip
 
 
 def _drill(args: argparse.Namespace) -> int:
@@ -122,6 +132,7 @@ def _drill(args: argparse.Namespace) -> int:
             duration_s=args.duration,
             kill_at_s=args.kill_at,
             tokens=args.tokens,
+            routers=args.routers,
         )
     )
 

@@ -12,7 +12,7 @@ import argparse
 import signal
 from typing import Protocol
 
-from adapters.cli import bench, mutants, serve, sim, worker
+from adapters.cli import bench, cluster, mutants, serve, sim, worker
 
 
 class Command(Protocol):
@@ -27,7 +27,8 @@ COMMANDS: tuple[tuple[str, str, Command], ...] = (
     ("sim", "deterministic simulation under injected faults (one seed, or a sweep)", sim),
     ("mutants", "patch core/ with known bugs and show the simulator catches each", mutants),
     ("serve", "the OpenAI-compatible HTTP server (default: embedded default model)", serve),
-    ("worker", "run a worker process that serves a router over TCP", worker),
+    ("worker", "run a worker process that serves routers over TCP", worker),
+    ("cluster", "routers, workers and a balancer as processes on this machine", cluster),
     ("bench", "print performance figures", bench),
 )
 

@@ -7,6 +7,11 @@ the embedded default model. `--worker-listen HOST:PORT` also accepts remote
 `--no-local-worker` leaves the serving to them. `--fake` swaps the model for
 FakeChatModel and FakeDecoder: no weights, instant tokens (tests, load runs).
 
+Each start draws a router id (8 random hex digits, after the --router-id prefix
+when one is given), logged at start: every assignment names it, and workers
+shared by several routers tell their links apart by it. A restarted router is
+a new id, so nothing of its previous life is mistaken for its own.
+
 SIGTERM or SIGINT: stop accepting connections, refuse new requests with 503,
 let open requests finish for up to --drain-timeout seconds, cancel the rest
 (their clients get a clear error), then exit 0.
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import secrets
 import signal
 from dataclasses import dataclass
 from typing import Literal
@@ -69,6 +75,13 @@ class ServeOptions:
     stuck_probe_s: float = _DEADLINES.stuck_probe_s
     routing: Literal["cache-aware", "least-loaded"] = "cache-aware"
     limits: HttpLimits | None = None
+    router_id: str | None = None  # a prefix for the drawn id (None: the drawn id alone)
+
+
+def router_identity(prefix: str | None) -> str:
+    """This incarnation's router id: the prefix, if any, then 8 random hex digits."""
+    drawn = secrets.token_hex(4)
+    return f"{prefix}-{drawn}" if prefix else drawn
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
     parser.add_argument("--served-model-name", default=None, help="the id clients ask for")
+    parser.add_argument(
+        "--router-id", default=None, metavar="PREFIX",
+        help="prefix of this router's id (each start adds 8 random hex digits)",
+    )  # fmt: skip
     parser.add_argument("--worker-listen", type=listen_address, default=None, metavar="HOST:PORT")
     parser.add_argument(
         "--no-local-worker", dest="local_worker", action="store_false",
@@ -172,6 +189,7 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
         token_timeout_s=args.token_timeout,
         stuck_probe_s=args.stuck_probe,
         routing=args.routing,
+        router_id=args.router_id,
     )
 
 
@@ -259,7 +277,10 @@ async def serve(
     task_status: trio.TaskStatus[Serving] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until `stop` is set, then drain and return."""
+    router_id = router_identity(options.router_id)
+    log.info("router id %s", router_id)
     router = RouterConfig(
+        router_id=router_id,
         heartbeat_timeout_s=options.heartbeat_timeout_s,
         queue_limit=1024,
         max_resumes=options.max_resumes,

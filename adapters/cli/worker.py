@@ -1,4 +1,10 @@
-"""`fencepost worker`: one worker process serving a router over TCP.
+"""`fencepost worker`: one worker process serving one or more routers over TCP.
+
+Each --connect HOST:PORT is a router, or several: a name resolving to several
+addresses (a Kubernetes headless Service) links the worker to each, and names
+are resolved again every --resolve-interval seconds, so routers that come and
+go are followed. Offers from all routers compete for the same slots.
+--health-listen HOST:PORT serves /health, /ready and /metrics (health.py).
 
 SIGTERM or SIGINT drains it: it declines new offers at once (its heartbeats
 offer no capacity), lets what it holds finish for up to --drain-timeout
@@ -17,6 +23,7 @@ import socket
 import trio
 
 from adapters.cli import add_kv_cache_arguments, add_weights_argument
+from adapters.runtime.health import serve_health
 from adapters.runtime.tcp import RemoteWorker
 from adapters.runtime.worker_host import Decoder, FakeDecoder, engine_decoder
 from core.worker import WorkerConfig
@@ -25,7 +32,19 @@ log = logging.getLogger("fencepost.worker")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--connect", required=True, metavar="HOST:PORT", type=address)
+    parser.add_argument(
+        "--connect", required=True, metavar="HOST:PORT", type=address, action="append",
+        help="a router's worker port; repeat for several routers; a name resolving to "
+        "several addresses is a router at each",
+    )  # fmt: skip
+    parser.add_argument(
+        "--resolve-interval", type=float, default=5.0, metavar="SECONDS",
+        help="resolve the --connect names again this often (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--health-listen", type=listen_address, default=None, metavar="HOST:PORT",
+        help="serve GET /health, /ready and /metrics here (default: off)",
+    )  # fmt: skip
     parser.add_argument("--worker-id", default=None, help="default: HOSTNAME-PID")
     parser.add_argument(
         "--take-over", action="store_true",
@@ -107,23 +126,31 @@ def run(args: argparse.Namespace) -> int:
         max_context=max_context,
         heartbeat_interval_s=args.heartbeat_interval,
     )
-    host, port = args.connect
     worker = RemoteWorker(
-        host, port, config, decoder, takeover=args.take_over, refused_grace_s=args.refused_grace
+        args.connect,
+        config,
+        decoder,
+        takeover=args.take_over,
+        refused_grace_s=args.refused_grace,
+        resolve_interval_s=args.resolve_interval,
     )
-    trio.run(_serve, worker, args.drain_timeout)
+    trio.run(_serve, worker, args.drain_timeout, args.health_listen)
     if worker.refused is not None:
         log.error("worker id %s is taken; exiting: %s", worker_id, worker.refused)
         return 2
     return 0
 
 
-async def _serve(worker: RemoteWorker, drain_timeout_s: float) -> None:
+async def _serve(
+    worker: RemoteWorker, drain_timeout_s: float, health: tuple[str, int] | None
+) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
+            if health is not None:
+                await nursery.start(serve_health, worker, *health)
 
             async def run_then_stop() -> None:
-                await worker.run()  # returns only when the router refused our id
+                await worker.run()  # returns only when a router refused our id
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(run_then_stop)

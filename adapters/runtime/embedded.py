@@ -22,9 +22,12 @@ LOCAL_QUEUE_MESSAGES = 65_536
 
 
 class LocalLink:
-    def __init__(self, worker_id: str, epoch: int, limit: int = LOCAL_QUEUE_MESSAGES) -> None:
+    def __init__(
+        self, worker_id: str, epoch: int, router_id: str = "", limit: int = LOCAL_QUEUE_MESSAGES
+    ) -> None:
         self.worker_id = worker_id
         self.epoch = epoch
+        self.router_id = router_id
         self.inbox: Mailbox[ToWorker] = Mailbox(limit)
 
     def send(self, message: ToWorker) -> bool:
@@ -40,7 +43,7 @@ class LocalLink:
             except trio.EndOfChannel:
                 return
             for message in batch:
-                host.from_router(message)
+                host.from_router(message, self.router_id)
 
 
 async def run_local_worker(
@@ -52,15 +55,16 @@ async def run_local_worker(
 ) -> None:
     """Serve as an in-process worker until cancelled; reports its WorkerHost when up."""
 
-    def uplink(message: FromWorker) -> bool:
-        controller.from_worker(config.worker_id, message)
-        return True
+    def uplink(message: FromWorker, router_id: str) -> None:
+        controller.from_worker(config.worker_id, message)  # the one router there is
 
     registration = controller.register(config.worker_id)
     if registration.epoch is None:
         raise ValueError(registration.reason)
-    config = msgspec.structs.replace(config, epoch=registration.epoch)
-    link = LocalLink(config.worker_id, config.epoch)
+    # Linked from the start to this router, under its id: its assignments name it.
+    router_id = controller.router.config.router_id
+    config = msgspec.structs.replace(config, epoch=registration.epoch, router=router_id)
+    link = LocalLink(config.worker_id, config.epoch, router_id)
     host = WorkerHost(config, decoder, uplink)
     if not controller.attach(link):
         raise ValueError(f"worker {config.worker_id!r} is already attached at a newer epoch")

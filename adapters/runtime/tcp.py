@@ -13,13 +13,21 @@ Messages to a worker wait in a bounded outbox drained by one writer task; when
 the outbox is full the worker is not keeping up, and its connection is closed
 rather than allowed to grow memory.
 
-Worker side (RemoteWorker): connects and registers, retrying with exponential
-backoff with jitter (50 ms doubling to 30 s; reset only by a session that
-lasted 10 s, so a worker that is replaced or closed at once does not storm
-the router); each connection is a fresh epoch handed out by the router, so no
-host clock matters. Refused, it stops and says why (`fencepost worker` exits
-2). When a connection ends, everything its epoch held stops decoding, and the
-worker reconnects as a new epoch.
+Worker side (RemoteWorker): one worker machine and one decoder for the whole
+process, and one connection task per router address. The addresses come from
+the --connect names, resolved again every few seconds, so a name that stands
+for several routers (a headless Service) links the worker to each of them and
+follows them as they come and go. Each connection registers and learns the
+router's id and the epoch that router hands out (Registered), which becomes a
+link of the worker machine (RouterLinked); its frames are that router's
+messages; when it ends, that router's assignments stop decoding
+(RouterUnlinked) and the others go on. Each connection retries with
+exponential backoff with jitter (50 ms doubling to 30 s; reset only by a
+session that lasted 10 s, so a worker that is replaced or closed at once does
+not storm the router); each registration is a fresh epoch, so no host clock
+matters. Refused (the id is taken there), it asks again for a grace period,
+then the process stops and says why (`fencepost worker` exits 2), unless it
+serves other routers meanwhile (see RemoteWorker._connection).
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -39,7 +47,6 @@ from adapters.runtime.loop import Mailbox
 from adapters.runtime.worker_host import Decoder, WorkerHost
 from core.protocol import (
     AnyWireMessage,
-    DecoderEvent,
     FromWorker,
     Refused,
     Register,
@@ -258,7 +265,8 @@ async def _serve_connection(
         link = TcpLink(hello.worker_id, answer.epoch, limits.send_queue_messages)
         if not controller.attach(link):
             raise LinkClosed(f"worker {hello.worker_id} epoch {answer.epoch} is not newer")
-        link.send(Registered(hello.worker_id, answer.epoch))
+        router_id = controller.router.config.router_id
+        link.send(Registered(hello.worker_id, answer.epoch, router_id))
         log.info("worker %s epoch %d connected from %s", link.worker_id, link.epoch, peer)
         frames.reader.limit(limits.max_frame_bytes)
         idle = limits.idle_timeout_s
@@ -309,153 +317,252 @@ BACKOFF_CAP_S = 30.0
 STEADY_SESSION_S = 10.0  # a session this long resets the reconnect backoff
 REFUSED_RETRY_S = 1.0  # after a refusal, ask again no sooner than this
 
+Address = tuple[str, int]
+Resolve = Callable[[str, int], Awaitable[set[Address]]]
+
+
+async def resolve_addresses(host: str, port: int) -> set[Address]:
+    """Every TCP address a name stands for (a headless Service: one per router)."""
+    infos = await trio.socket.getaddrinfo(host, port, type=trio.socket.SOCK_STREAM)
+    return {(str(info[4][0]), int(info[4][1])) for info in infos}
+
+
+class RouterLink:
+    """The worker's side of one registered connection: to router `router_id`."""
+
+    def __init__(self, router_id: str, epoch: int, address: Address, limit: int) -> None:
+        self.router_id = router_id
+        self.epoch = epoch
+        self.address = address
+        self.outbox: Mailbox[AnyWireMessage] = Mailbox(limit)
+        self.scope = trio.CancelScope()
+        self.reason: str | None = None
+
+    def close(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+        self.outbox.close()
+        self.scope.cancel()
+
 
 class RemoteWorker:
-    """A worker process's connection loop: connect, serve one epoch, reconnect."""
+    """A worker process: one worker machine and decoder, linked to every router found."""
 
     def __init__(
         self,
-        host: str,
-        port: int,
+        targets: Sequence[Address],
         config: WorkerConfig,
         decoder: Decoder,
         limits: TransportLimits | None = None,
         takeover: bool = False,
         refused_grace_s: float = 10.0,
+        resolve_interval_s: float = 5.0,
+        resolve: Resolve = resolve_addresses,
     ) -> None:
-        self.address = (host, port)
+        self.targets = list(dict.fromkeys(targets))
         self.takeover = takeover
         self.refused_grace_s = refused_grace_s
-        self.refused: str | None = None  # the router refused our id: stop, say why
-        self.config = config
+        self.resolve_interval_s = resolve_interval_s
+        self._resolve = resolve
+        self.refused: str | None = None  # a router refused our id and nobody else took us
+        self.config = msgspec.structs.replace(config, router=None)  # routers join as links
         self.decoder = decoder
         self.limits = limits or TransportLimits()
-        self.host: WorkerHost | None = None
-        self.connected = trio.Event()
+        self.host = WorkerHost(self.config, decoder, self._send)
+        self.links: dict[str, RouterLink] = {}  # router id -> its registered connection
+        self.addresses: set[Address] = set()  # what the targets resolve to now
+        self._resolved: dict[Address, set[Address]] = {}  # target -> its last good answer
+        self._dialing: set[Address] = set()  # addresses with a connection task
+        self._stop = trio.Event()
+        self.connected = trio.Event()  # some router registered us
+        self.decoding = False  # the decoder runs (readiness)
         self.sessions = 0
-        self._draining = False
-        self._outbox: Mailbox[AnyWireMessage] | None = None  # the current session's
 
     async def run(self) -> None:
+        """Serve until a refusal stops the worker (or until cancelled)."""
         async with trio.open_nursery() as nursery:
-            await nursery.start(self.decoder.run, self._emit, self._pace)
-            backoff_s = BACKOFF_START_S
-            first_refusal: float | None = None
-            while True:
-                try:
-                    stream = await trio.open_tcp_stream(*self.address)
-                except OSError as error:
-                    log.warning("cannot reach the router at %s:%d: %s", *self.address, error)
-                    backoff_s = await _back_off(backoff_s)
-                    continue
-                began = trio.current_time()
-                await self._session(stream)
-                if self.refused is not None:
-                    # The id is taken. It may be our own previous process, which the
-                    # router has not yet seen die (a host that rebooted sends no
-                    # FIN): ask again a few times, then give up and say why.
-                    now = trio.current_time()
-                    first_refusal = now if first_refusal is None else first_refusal
-                    if now - first_refusal >= self.refused_grace_s:
-                        break
-                    backoff_s = max(backoff_s, REFUSED_RETRY_S)
-                    self.refused = None
-                    backoff_s = await _back_off(backoff_s)
-                    continue
-                first_refusal = None
-                if trio.current_time() - began >= STEADY_SESSION_S:
-                    backoff_s = BACKOFF_START_S  # it served a while: come back at once
-                else:  # closed soon after connecting (replaced, refused...): back off
-                    backoff_s = await _back_off(backoff_s)
+            await nursery.start(self.decoder.run, self.host.on_decoder_events, self._pace)
+            await nursery.start(self.host.run)
+            self.decoding = True
+            try:
+                while not self._stop.is_set():
+                    await self._resolve_targets()
+                    for address in sorted(self.addresses - self._dialing):
+                        self._dialing.add(address)
+                        nursery.start_soon(self._connection, address)
+                    with trio.move_on_after(self.resolve_interval_s):
+                        await self._stop.wait()
+            finally:
+                self.decoding = False
+                self.host.stop_all()
             nursery.cancel_scope.cancel()
+
+    def ready(self) -> bool:
+        """The decoder runs and at least one router has registered this worker."""
+        return self.decoding and bool(self.links)
 
     async def drain(self, grace_s: float) -> None:
         """Take no new work; wait up to grace_s for held assignments to finish and go out."""
-        self._draining = True
-        if self.host is not None:
-            self.host.drain()
-        # Between connections nothing is held (a lost connection stops its decodes),
-        # so a worker that is not connected has nothing to wait for.
+        self.host.drain()
+        # A lost link stops its decodes, so whatever is held belongs to a live link.
         with trio.move_on_after(grace_s):
-            while self.host is not None and (self.host.worker.holds() or self._outbox_busy()):
+            while self.host.worker.holds() or self._outboxes_busy():
                 await trio.sleep(0.02)
 
-    def _outbox_busy(self) -> bool:
-        return self._outbox is not None and len(self._outbox) > 0
+    def _outboxes_busy(self) -> bool:
+        return any(len(link.outbox) > 0 for link in self.links.values())
+
+    async def _resolve_targets(self) -> None:
+        for target in self.targets:
+            try:
+                found = await self._resolve(*target)
+            except OSError as error:  # keep the last answer: a DNS hiccup is not a router's death
+                log.warning("cannot resolve %s:%d: %s", *target, error)
+                continue
+            if found != self._resolved.get(target) and found != {target}:  # a name's answer
+                shown = ", ".join(f"{h}:{p}" for h, p in sorted(found))
+                log.info("%s:%d is %s", *target, shown or "nothing")
+            self._resolved[target] = found
+        self.addresses = set().union(*self._resolved.values())
 
     async def _pace(self) -> None:
-        outbox = self._outbox
-        if outbox is not None:
-            await outbox.wait_below(outbox.limit // 2)
+        """Return once every link's outbox is under half full (the decoder waits for
+        the slowest router rather than overfill its link)."""
+        for link in list(self.links.values()):
+            await link.outbox.wait_below(link.outbox.limit // 2)
 
-    def _emit(self, events: list[DecoderEvent]) -> None:
-        if self.host is not None:
-            self.host.on_decoder_events(events)
-        # else: between connections; the new epoch never started these
+    def _send(self, message: FromWorker, router_id: str) -> None:
+        link = self.links.get(router_id)
+        if link is None:
+            return  # that link is gone, and so is whoever would read this
+        if not link.outbox.put(message):
+            link.close("send queue full: the router is not keeping up")
 
-    async def _register(self, stream: trio.SocketStream, frames: FrameStream) -> int | None:
-        """Ask the router for an epoch; None if it did not answer (or refused: then
-        `refused` says why and the worker stops)."""
+    async def _connection(self, address: Address) -> None:
+        """Keep one router address linked: connect, serve, reconnect with backoff;
+        ends when the address no longer resolves (after its connection ended) or the
+        worker stops.
+
+        A refusal means the router has a live worker of our id. It may be our own
+        previous process, not yet seen dead (a host that rebooted sends no FIN):
+        ask again for refused_grace_s. Past that, a worker that serves no router
+        stops (exit 2, as with one router). One that serves others goes on and
+        keeps asking slowly: Refused names no router, and an address that reaches a
+        router we are linked to already (a name resolving to two of its
+        addresses) is refused just the same, so losing every link over it would
+        be worse than a loud log line.
+        """
+        backoff_s = BACKOFF_START_S
+        first_refusal: float | None = None
+        try:
+            while not self._stop.is_set() and address in self.addresses:
+                try:
+                    stream = await trio.open_tcp_stream(*address)
+                except OSError as error:
+                    log.warning("cannot reach the router at %s:%d: %s", *address, error)
+                    backoff_s = await _back_off(backoff_s)
+                    continue
+                began = trio.current_time()
+                refusal = await self._session(stream, address)
+                now = trio.current_time()
+                if refusal is not None:
+                    first_refusal = now if first_refusal is None else first_refusal
+                    if now - first_refusal >= self.refused_grace_s:
+                        if not self.links:
+                            self.refused = refusal
+                            self._stop.set()
+                            return
+                        log.error(
+                            "the router at %s:%d keeps refusing worker id %s (%s) while "
+                            "routers %s have it: a second address of one of them, or "
+                            "another process with our id there",
+                            *address, self.config.worker_id, refusal, sorted(self.links),
+                        )  # fmt: skip
+                        backoff_s = BACKOFF_CAP_S
+                    backoff_s = await _back_off(max(backoff_s, REFUSED_RETRY_S))
+                    continue
+                first_refusal = None
+                if now - began >= STEADY_SESSION_S:
+                    backoff_s = BACKOFF_START_S  # it served a while: come back at once
+                else:  # closed soon after connecting (replaced, refused...): back off
+                    backoff_s = await _back_off(backoff_s)
+        finally:
+            self._dialing.discard(address)
+
+    async def _register(
+        self, stream: trio.SocketStream, frames: FrameStream, address: Address
+    ) -> Registered | Refused | None:
+        """Ask the router for an epoch; None if it did not answer sensibly."""
         worker_id = self.config.worker_id
+        where = "{}:{}".format(*address)
         try:
             await stream.send_all(encode_frame(Register(worker_id, self.takeover)))
             reply: list[AnyWireMessage] | None = None
             with trio.move_on_after(self.limits.registration_timeout_s):
                 reply = await frames.receive()
         except (LinkClosed, trio.BrokenResourceError, trio.ClosedResourceError) as error:
-            log.warning("registering as %s failed: %s", worker_id, error)
+            log.warning("registering as %s at %s failed: %s", worker_id, where, error)
             return None
         if reply is None:
-            log.warning("the router did not answer the registration of %s", worker_id)
+            log.warning("the router at %s did not answer the registration of %s", where, worker_id)
             return None
         answer = reply[0]
         if isinstance(answer, Refused):
-            log.error("the router refused worker id %s: %s", worker_id, answer.reason)
-            self.refused = answer.reason
-            return None
+            log.error("the router at %s refused worker id %s: %s", where, worker_id, answer.reason)
+            return answer
         if not isinstance(answer, Registered) or answer.worker_id != worker_id:
-            log.warning("the router answered the registration with %r", answer)
+            log.warning("the router at %s answered the registration with %r", where, answer)
             return None
-        return answer.epoch
+        return answer
 
-    async def _session(self, stream: trio.SocketStream) -> None:
+    async def _session(self, stream: trio.SocketStream, address: Address) -> str | None:
+        """Serve one connection to its end; the refusal's reason if it was refused."""
         frames = FrameStream(stream, self.limits.max_frame_bytes)
-        epoch = await self._register(stream, frames)
-        if epoch is None:
+        answer = await self._register(stream, frames, address)
+        if not isinstance(answer, Registered):
             with trio.CancelScope(shield=True):
                 await stream.aclose()
-            return
-        config = msgspec.structs.replace(self.config, epoch=epoch)
-        outbox: Mailbox[AnyWireMessage] = Mailbox(self.limits.send_queue_messages)
-        host = WorkerHost(config, self.decoder, outbox.put)
-        self.host, self._outbox = host, outbox
+            return answer.reason if isinstance(answer, Refused) else None
+        router_id, epoch = answer.router_id, answer.epoch
+        link = RouterLink(router_id, epoch, address, self.limits.send_queue_messages)
+        old = self.links.get(router_id)
+        if old is not None:
+            # The router registered us again, so it let the old connection go (a
+            # takeover, or one it stopped hearing from): one link per router, the newer.
+            old.close(f"router {router_id} registered us again from {address[0]}:{address[1]}")
+        self.links[router_id] = link
         self.sessions += 1
+        self.host.link(router_id, epoch)  # its first heartbeat goes out now
+        self.connected.set()
+        log.info(
+            "linked to router %s at %s:%d as %s epoch %d (%d routers)",
+            router_id or "(unnamed)", *address, self.config.worker_id, epoch, len(self.links),
+        )  # fmt: skip
         reason = "closed"
         try:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(host.run)
-                if self._draining:
-                    host.drain()
-                log.info(
-                    "connected to %s:%d as %s epoch %d",
-                    *self.address,
-                    config.worker_id,
-                    config.epoch,
+            with link.scope:
+                reason = await run_connection(
+                    stream, frames, link.outbox, partial(self._from_router, router_id)
                 )
-                self.connected.set()
-                nursery.start_soon(_cancel_when, host.uplink_failed, nursery.cancel_scope)
-                reason = await run_connection(stream, frames, outbox, partial(_pass_to_host, host))
-                nursery.cancel_scope.cancel()
         finally:
-            if host.uplink_failed.is_set():
-                reason = "send queue full: the router is not keeping up"
+            reason = link.reason or reason
+            link.close(reason)
+            if self.links.get(router_id) is link:
+                del self.links[router_id]
+                self.host.unlink(router_id, reason)  # its assignments stop decoding
             log.warning(
-                "connection to the router ended (%s); epoch %d is over", reason, config.epoch
-            )
-            host.stop_all()
-            self.host, self._outbox = None, None
+                "link to router %s at %s:%d ended (%s); epoch %d is over",
+                router_id or "(unnamed)", *address, reason, epoch,
+            )  # fmt: skip
             with trio.CancelScope(shield=True):
                 await stream.aclose()
+        return None
+
+    def _from_router(self, router_id: str, messages: list[AnyWireMessage]) -> None:
+        for message in messages:
+            if not isinstance(message, ToWorker):
+                raise LinkClosed(f"the router sent {type(message).__name__}, a worker's message")
+            self.host.from_router(message, router_id)
 
 
 async def _back_off(backoff_s: float) -> float:
@@ -463,15 +570,3 @@ async def _back_off(backoff_s: float) -> float:
     coming back in step); returns the next wait, doubled up to the cap."""
     await trio.sleep(backoff_s * random.uniform(0.5, 1.0))
     return min(BACKOFF_CAP_S, backoff_s * 2)
-
-
-def _pass_to_host(host: WorkerHost, messages: list[AnyWireMessage]) -> None:
-    for message in messages:
-        if not isinstance(message, ToWorker):
-            raise LinkClosed(f"the router sent {type(message).__name__}, a worker's message")
-        host.from_router(message)
-
-
-async def _cancel_when(event: trio.Event, scope: trio.CancelScope) -> None:
-    await event.wait()
-    scope.cancel()

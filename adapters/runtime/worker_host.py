@@ -1,9 +1,11 @@
-"""A worker under trio: the worker machine, its decoder, and its uplink to the router.
+"""A worker under trio: the worker machine, its decoder, and its uplinks to routers.
 
-WorkerHost feeds the core Worker its events (router messages, decoder output,
-heartbeat timers) one at a time and carries out its effects: messages to the
-router go to the uplink (which never waits), StartDecode and StopDecode go to
-the decoder. Two decoders are provided:
+WorkerHost feeds the core Worker its events (router messages, links made and
+lost, decoder output, heartbeat timers) one at a time and carries out its
+effects: a message for a router goes to the uplink with that router's id (the
+uplink never waits, and drops what is meant for a link that is gone),
+StartDecode and StopDecode go to the decoder. One host lives as long as its
+process; routers come and go as links (RouterLinked, RouterUnlinked). Two decoders are provided:
 
 - EngineDecoder: the torch engine on its own thread (adapters.engine); its
   events come back into the trio loop with run_sync_soon, so the loop never
@@ -40,6 +42,8 @@ from core.protocol import (
     FromRouterMessage,
     FromWorker,
     GenerationRequest,
+    RouterLinked,
+    RouterUnlinked,
     SendToRouter,
     StartDecode,
     StopDecode,
@@ -58,6 +62,9 @@ log = logging.getLogger("fencepost.worker")
 
 Emit = Callable[[list[DecoderEvent]], None]
 Pace = Callable[[], Awaitable[None]]
+Uplink = Callable[[FromWorker, str], None]
+"""Send a message to the router of this id; never waits (a full link is the uplink's
+business: it closes that link)."""
 
 
 async def no_pace() -> None:
@@ -90,15 +97,12 @@ class Decoder(Protocol):
 
 
 class WorkerHost:
-    def __init__(
-        self, config: WorkerConfig, decoder: Decoder, uplink: Callable[[FromWorker], bool]
-    ) -> None:
+    def __init__(self, config: WorkerConfig, decoder: Decoder, uplink: Uplink) -> None:
         self.worker = Worker(config)
         self.decoder = decoder
         self.timers = Timers(self._on_timer)
         self._uplink = uplink
         self.feed: Serial[WorkerEvent] = Serial(self._handle)
-        self.uplink_failed = trio.Event()  # the uplink refused a message: reconnect
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Announce the worker (first heartbeat) and keep its heartbeats going."""
@@ -106,8 +110,16 @@ class WorkerHost:
         task_status.started()
         await self.timers.run()
 
-    def from_router(self, message: ToWorker) -> None:
-        self.feed(FromRouterMessage(message))
+    def from_router(self, message: ToWorker, router_id: str = "") -> None:
+        self.feed(FromRouterMessage(message, router_id))
+
+    def link(self, router_id: str, epoch: int) -> None:
+        """A connection to this router registered under `epoch`."""
+        self.feed(RouterLinked(router_id, epoch))
+
+    def unlink(self, router_id: str, reason: str) -> None:
+        """The connection to this router is gone: its assignments stop decoding."""
+        self.feed(RouterUnlinked(router_id, reason))
 
     def on_decoder_events(self, events: list[DecoderEvent]) -> None:
         for event in events:
@@ -117,7 +129,7 @@ class WorkerHost:
         self.feed(Drain())
 
     def stop_all(self) -> None:
-        """The connection is gone: whatever this epoch holds stops decoding now."""
+        """The host is going away: whatever it holds stops decoding now."""
         for assignment in list(self.worker.holds()):
             self.decoder.stop(assignment)
 
@@ -129,9 +141,8 @@ class WorkerHost:
             self.worker.cache = self.decoder.cache_report()
         for effect in self.worker.handle(event, trio.current_time()):
             match effect:
-                case SendToRouter(message):
-                    if not self._uplink(message):
-                        self.uplink_failed.set()
+                case SendToRouter(message, router_id):
+                    self._uplink(message, router_id)
                 case StartDecode(assignment, request):
                     self.decoder.start(assignment, request)
                 case StopDecode(assignment):
