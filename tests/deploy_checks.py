@@ -402,6 +402,7 @@ def topology_problems(objects: list[Manifest]) -> list[str]:
             problems.append(f"Service {service['metadata']['name']} does not select the routers")
         if spec.get("clusterIP") == "None" and spec.get("publishNotReadyAddresses") is not True:
             problems.append("headless Service hides unready routers from the workers")
+    problems += _policy_problems(objects, found)
     budgets = [obj for obj in objects if obj["kind"] == "PodDisruptionBudget"]
     for component, deployment in found.items():
         covering = [
@@ -418,6 +419,35 @@ def topology_problems(objects: list[Manifest]) -> list[str]:
         )
         if not 0 < allowed < replicas:
             problems.append(f"{component}: the budget allows {allowed} of {replicas} down")
+    return problems
+
+
+def _policy_problems(objects: list[Manifest], found: dict[str, Manifest]) -> list[str]:
+    """The routers' worker port admits the worker pods and nothing else."""
+    router, worker = found["router"], found["worker"]
+    policies = [
+        obj
+        for obj in objects
+        if obj["kind"] == "NetworkPolicy"
+        and selects(obj["spec"]["podSelector"]["matchLabels"], pod_labels(router))
+    ]
+    if len(policies) != 1:
+        return [f"routers: {len(policies)} NetworkPolicies, not one"]
+    c = container(router)
+    worker_port = container_ports(c)["workers"]
+    problems = []
+    for rule in policies[0]["spec"].get("ingress", []):
+        ports = [resolve_port(c, p["port"]) for p in rule.get("ports", [{"port": worker_port}])]
+        if worker_port not in ports:
+            continue
+        sources = rule.get("from", [])
+        if not sources or not all(
+            set(s) == {"podSelector"}
+            and selects(s["podSelector"]["matchLabels"], pod_labels(worker))
+            and not selects(s["podSelector"]["matchLabels"], pod_labels(router))
+            for s in sources
+        ):
+            problems.append("routers: the worker port admits more than the worker pods")
     return problems
 
 

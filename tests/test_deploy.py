@@ -82,6 +82,11 @@ def _budget(objects: list[Manifest], name: str) -> Manifest:
     return found
 
 
+def _policy(objects: list[Manifest]) -> Manifest:
+    [found] = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    return found
+
+
 def _set_arg(objects: list[Manifest], component: str, flag: str, value: str) -> None:
     args = _container(objects, component)["args"]
     args[:] = [a for a in args if not a.startswith(f"{flag}=")] + [f"{flag}={value}"]
@@ -172,6 +177,10 @@ MUTATIONS: dict[str, tuple[str, checks.Check, Mutation]] = {
         "cpu", checks.topology_problems,
         lambda o: _deployment(o, "router")["spec"].update(replicas=1),
     ),
+    "the worker port open to all": (
+        "cpu", checks.topology_problems,
+        lambda o: _policy(o)["spec"]["ingress"][1].pop("from"),
+    ),
     "a writable root filesystem": (
         "cpu", checks.security_problems,
         lambda o: _container(o, "router")["securityContext"].update(readOnlyRootFilesystem=False),
@@ -218,6 +227,7 @@ COMPLAINTS = {
     "workers without a budget": "worker: 0 PodDisruptionBudgets",
     "a budget that blocks every drain": "allows 0 of 2 down",
     "one router": "single point of failure",
+    "the worker port open to all": "admits more than the worker pods",
     "a writable root filesystem": "root filesystem writable",
     "running as root": "non-root user 10001",
     "no writable quality cache": "nothing writable at /opt/fencepost/cache/quality",
