@@ -41,8 +41,8 @@ DOCKERFILES = {
     "cpu": DEPLOY / "docker" / "Dockerfile.cpu",
     "cuda": DEPLOY / "docker" / "Dockerfile.cuda",
 }
-# The image each Dockerfile is built as in the README; manifests name these.
-IMAGES = {"fencepost:cpu": "cpu", "fencepost:cuda": "cuda"}
+# The image name (any tag) each Dockerfile is built as in the README; manifests use these.
+IMAGES = {"fencepost-cpu": "cpu", "fencepost-cuda": "cuda"}
 # Seconds a process may need after its drain ends: the router's HTTP server allows
 # itself 5 s past --drain-timeout (adapters/cli/serve.py), then both must exit.
 EXIT_MARGIN_S = 10
@@ -457,7 +457,7 @@ def security_problems(objects: list[Manifest]) -> list[str]:
     for component, deployment in deployments(objects).items():
         pod = deployment["spec"]["template"]["spec"]
         c = container(deployment)
-        variant = IMAGES.get(c["image"])
+        variant = IMAGES.get(c["image"].rpartition(":")[0] or c["image"])
         if variant is None:
             problems.append(f"{component}: image {c['image']} is not one of {sorted(IMAGES)}")
             continue

@@ -46,7 +46,7 @@ def test_the_cuda_overlay_changes_only_the_worker() -> None:
     assert changed == [("Deployment", "fencepost-worker")]
     worker = checks.container(checks.deployments(cuda)["worker"])
     base = checks.container(checks.deployments(cpu)["worker"])
-    assert worker["image"] == "fencepost:cuda"
+    assert worker["image"] == "fencepost-cuda:0.1.0"
     # merged by name, not replaced: the base's probes and mounts survive the patch
     assert worker["readinessProbe"] == base["readinessProbe"]
     assert worker["volumeMounts"] == base["volumeMounts"]
