@@ -218,7 +218,7 @@ Check = Callable[[list[Manifest]], list[str]]
 
 def schema_problems(objects: list[Manifest]) -> list[str]:
     """Every object against the Kubernetes schemas, strict: unknown fields are errors."""
-    problems = []
+    problems: list[str] = []
     for obj in objects:
         try:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
@@ -232,7 +232,7 @@ def schema_problems(objects: list[Manifest]) -> list[str]:
 
 def args_problems(objects: list[Manifest]) -> list[str]:
     """Each container runs the image's `fencepost` entrypoint with args its parser takes."""
-    problems = []
+    problems: list[str] = []
     for component, deployment in deployments(objects).items():
         c = container(deployment)
         if "command" in c:
@@ -260,7 +260,7 @@ def _parsed(deployment: Manifest, problems: list[str]) -> argparse.Namespace | N
 
 def port_problems(objects: list[Manifest]) -> list[str]:
     """Ports named in args, probes, annotations and Services meet at a containerPort."""
-    problems = []
+    problems: list[str] = []
     found = deployments(objects)
     router, worker = found["router"], found["worker"]
     serve, work = _parsed(router, problems), _parsed(worker, problems)
@@ -283,7 +283,7 @@ def port_problems(objects: list[Manifest]) -> list[str]:
         annotations = deployment["spec"]["template"]["metadata"].get("annotations", {})
         if int(annotations.get("prometheus.io/port", 0)) not in container_ports(c).values():
             problems.append(f"{name}: prometheus.io/port is no containerPort")
-    headless = {}
+    headless: dict[str, int | None] = {}
     for service in services(objects):
         spec, name = service["spec"], service["metadata"]["name"]
         targets = [d for d in (router, worker) if selects(spec["selector"], pod_labels(d))]
@@ -299,14 +299,14 @@ def port_problems(objects: list[Manifest]) -> list[str]:
                 problems.append(f"Service {name}: headless, yet port {port['port']} != {resolved}")
             if spec.get("clusterIP") == "None":
                 headless[name] = resolved
-    for host, port in connect_targets(work) if work is not None else []:
-        service = host.split(".")[0]
-        if service not in headless:
+    for host, dialed in connect_targets(work) if work is not None else []:
+        named = host.split(".")[0]
+        if named not in headless:
             problems.append(f"worker: --connect {host} is no headless Service of the routers")
-        elif port != headless[service] or serve.worker_listen is None:
-            problems.append(f"worker: --connect {host}:{port} misses the routers' worker port")
-        elif port != port_of(serve.worker_listen):
-            problems.append(f"worker: --connect port {port} != the router's --worker-listen")
+        elif dialed != headless[named] or serve.worker_listen is None:
+            problems.append(f"worker: --connect {host}:{dialed} misses the routers' worker port")
+        elif dialed != port_of(serve.worker_listen):
+            problems.append(f"worker: --connect port {dialed} != the router's --worker-listen")
     http = [s for s in services(objects) if s["spec"].get("clusterIP") != "None"]
     for service in http:
         for port in service["spec"]["ports"]:
@@ -317,7 +317,7 @@ def port_problems(objects: list[Manifest]) -> list[str]:
 
 def probe_problems(objects: list[Manifest]) -> list[str]:
     """Probes ask for paths the process serves on that port, and the right ones."""
-    problems = []
+    problems: list[str] = []
     found = deployments(objects)
     serve, work = _parsed(found["router"], problems), _parsed(found["worker"], problems)
     served: dict[str, dict[int, frozenset[str]]] = {}
@@ -364,7 +364,7 @@ def probe_problems(objects: list[Manifest]) -> list[str]:
 
 def drain_problems(objects: list[Manifest]) -> list[str]:
     """The grace period outlasts the preStop sleep, the drain, and the exit."""
-    problems = []
+    problems: list[str] = []
     for component, deployment in deployments(objects).items():
         c = container(deployment)
         try:
@@ -386,7 +386,7 @@ def drain_problems(objects: list[Manifest]) -> list[str]:
 
 def topology_problems(objects: list[Manifest]) -> list[str]:
     """Services find the routers, workers find the routers early, budgets cover both."""
-    problems = []
+    problems: list[str] = []
     found = deployments(objects)
     router = found["router"]
     if router["spec"]["replicas"] < 2:
@@ -435,7 +435,7 @@ def _policy_problems(objects: list[Manifest], found: dict[str, Manifest]) -> lis
         return [f"routers: {len(policies)} NetworkPolicies, not one"]
     c = container(router)
     worker_port = container_ports(c)["workers"]
-    problems = []
+    problems: list[str] = []
     for rule in policies[0]["spec"].get("ingress", []):
         ports = [resolve_port(c, p["port"]) for p in rule.get("ports", [{"port": worker_port}])]
         if worker_port not in ports:
@@ -453,7 +453,7 @@ def _policy_problems(objects: list[Manifest], found: dict[str, Manifest]) -> lis
 
 def security_problems(objects: list[Manifest]) -> list[str]:
     """Non-root, no escalation, a read-only root with emptyDirs where it must write."""
-    problems = []
+    problems: list[str] = []
     for component, deployment in deployments(objects).items():
         pod = deployment["spec"]["template"]["spec"]
         c = container(deployment)
@@ -529,17 +529,18 @@ def final_stage(text: str) -> list[tuple[str, str]]:
 
 
 def env_of(steps: list[tuple[str, str]]) -> dict[str, str]:
-    env = {}
+    env: dict[str, str] = {}
     for word, rest in steps:
-        if word == "ENV":
-            env.update(pair.split("=", 1) for pair in shlex.split(rest))  # type: ignore[misc]
+        for pair in shlex.split(rest) if word == "ENV" else []:
+            name, _, value = pair.partition("=")
+            env[name] = value
     return env
 
 
 def base_images(text: str) -> list[str]:
     """Every FROM's image, with global ARG defaults filled in."""
-    defaults = {}
-    images = []
+    defaults: dict[str, str] = {}
+    images: list[str] = []
     for word, rest in instructions(text):
         if word == "ARG" and "=" in rest and not images:
             name, value = rest.split("=", 1)
@@ -564,7 +565,7 @@ def torch_pin() -> str:
 
 
 def dockerfile_problems(text: str, variant: str) -> list[str]:
-    problems = []
+    problems: list[str] = []
     steps = final_stage(text)
     user, cache = dockerfile_user_and_cache(text)
     if not user:
