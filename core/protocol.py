@@ -281,10 +281,13 @@ class Registered(WireMessage, frozen=True):
 
 
 class Refused(WireMessage, frozen=True):
-    """Router -> worker: this id is taken by a live worker; the connection ends."""
+    """Router -> worker: this id is taken by a live worker; the connection ends.
+    router_id names the refusing router, so a worker reaching a router it is linked
+    to already (through a second address) can tell that from a taken id."""
 
     worker_id: WorkerId
     reason: str
+    router_id: RouterId = ""
 
 
 ToWorker = Offer | Cancel | Resend

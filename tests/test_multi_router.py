@@ -18,8 +18,10 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
+import pytest
 import requests
 import trio
 
@@ -315,3 +317,40 @@ def test_a_refusal_by_one_router_stops_only_a_worker_that_serves_no_other() -> N
         await squatter.aclose()
 
     trio.run(main)
+
+
+def test_a_second_address_of_a_linked_router_is_no_taken_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Refused names the refusing router: a worker that reaches a router it is linked to
+    already through another address (a forwarder here, a name with two addresses in a
+    cluster) keeps its link and takes the refusal quietly."""
+    from adapters.cli.cluster import splice
+
+    async def main() -> None:
+        controller = Controller(RouterConfig(router_id="ra"))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(controller.run)
+            port = await nursery.start(serve_workers, controller, "127.0.0.1", 0)
+
+            async def forward(stream: trio.SocketStream) -> None:
+                upstream = await trio.open_tcp_stream("127.0.0.1", port)
+                await splice(stream, upstream)
+
+            serve_forwarder = partial(trio.serve_tcp, forward, 0, host="127.0.0.1")
+            [second] = await nursery.start(serve_forwarder)
+            other = second.socket.getsockname()[1]
+            both = [("127.0.0.1", port), ("127.0.0.1", other)]
+            worker = RemoteWorker(both, WorkerConfig("w1"), FakeDecoder(), refused_grace_s=0.3)
+            nursery.start_soon(worker.run)
+            await wait_until(controller, lambda s: "w1" in healthy(s))
+            await trio.sleep(1.5)  # past the grace: one of the two addresses was refused
+            assert worker.refused is None and set(worker.links) == {"ra"}
+            [view] = controller.statistics().router.workers
+            assert view.healthy and view.epoch == 0  # the first link was never replaced
+            nursery.cancel_scope.cancel()
+
+    with caplog.at_level("INFO", logger="fencepost.tcp"):
+        trio.run(main)
+    assert any("linked already through another address" in r.message for r in caplog.records)
+    assert not [r for r in caplog.records if "keeps refusing" in r.message]

@@ -260,7 +260,9 @@ async def _serve_connection(
         answer = controller.register(hello.worker_id, hello.takeover)
         if answer.epoch is None:
             with trio.move_on_after(1.0):
-                await stream.send_all(encode_frame(Refused(hello.worker_id, answer.reason)))
+                router_id = controller.router.config.router_id
+                refused = Refused(hello.worker_id, answer.reason, router_id)
+                await stream.send_all(encode_frame(refused))
             raise LinkClosed(f"refused as {hello.worker_id}: {answer.reason}")
         link = TcpLink(hello.worker_id, answer.epoch, limits.send_queue_messages)
         if not controller.attach(link):
@@ -443,14 +445,14 @@ class RemoteWorker:
         ends when the address no longer resolves (after its connection ended) or the
         worker stops.
 
-        A refusal means the router has a live worker of our id. It may be our own
-        previous process, not yet seen dead (a host that rebooted sends no FIN):
-        ask again for refused_grace_s. Past that, a worker that serves no router
-        stops (exit 2, as with one router). One that serves others goes on and
-        keeps asking slowly: Refused names no router, and an address that reaches a
-        router we are linked to already (a name resolving to two of its
-        addresses) is refused just the same, so losing every link over it would
-        be worse than a loud log line.
+        A refusal means the router has a live worker of our id. When it names a
+        router this worker is linked to already, the address is a second way to
+        the same router (a name resolving to two of its addresses): nothing is
+        wrong, and it is asked again only now and then, in case the link ends.
+        Otherwise the id may be our own previous process's, not yet seen dead (a
+        host that rebooted sends no FIN): ask again for refused_grace_s. Past
+        that, a worker that serves no router stops (exit 2, as with one router);
+        one that serves others goes on, asking slowly, with a loud log line.
         """
         backoff_s = BACKOFF_START_S
         first_refusal: float | None = None
@@ -465,18 +467,27 @@ class RemoteWorker:
                 began = trio.current_time()
                 refusal = await self._session(stream, address)
                 now = trio.current_time()
+                if isinstance(refusal, Refused) and refusal.router_id in self.links:
+                    first_refusal = None
+                    log.info(
+                        "%s:%d reaches router %s, linked already through another address",
+                        *address, refusal.router_id,
+                    )  # fmt: skip
+                    backoff_s = await _back_off(BACKOFF_CAP_S)
+                    continue
                 if refusal is not None:
+                    reason = refusal.reason
                     first_refusal = now if first_refusal is None else first_refusal
                     if now - first_refusal >= self.refused_grace_s:
                         if not self.links:
-                            self.refused = refusal
+                            self.refused = reason
                             self._stop.set()
                             return
                         log.error(
                             "the router at %s:%d keeps refusing worker id %s (%s) while "
                             "routers %s have it: a second address of one of them, or "
                             "another process with our id there",
-                            *address, self.config.worker_id, refusal, sorted(self.links),
+                            *address, self.config.worker_id, reason, sorted(self.links),
                         )  # fmt: skip
                         backoff_s = BACKOFF_CAP_S
                     backoff_s = await _back_off(max(backoff_s, REFUSED_RETRY_S))
@@ -515,14 +526,14 @@ class RemoteWorker:
             return None
         return answer
 
-    async def _session(self, stream: trio.SocketStream, address: Address) -> str | None:
-        """Serve one connection to its end; the refusal's reason if it was refused."""
+    async def _session(self, stream: trio.SocketStream, address: Address) -> Refused | None:
+        """Serve one connection to its end; the refusal if it was refused."""
         frames = FrameStream(stream, self.limits.max_frame_bytes)
         answer = await self._register(stream, frames, address)
         if not isinstance(answer, Registered):
             with trio.CancelScope(shield=True):
                 await stream.aclose()
-            return answer.reason if isinstance(answer, Refused) else None
+            return answer if isinstance(answer, Refused) else None
         router_id, epoch = answer.router_id, answer.epoch
         link = RouterLink(router_id, epoch, address, self.limits.send_queue_messages)
         old = self.links.get(router_id)
