@@ -30,11 +30,12 @@ bench: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/fencepost serve
 
-# The long pre-release sweep: three cluster shapes, roughly 20-25 minutes on one core.
+# The long pre-release sweep: four cluster shapes, roughly 25-30 minutes on one core.
 sweep: $(STAMP)
 	$(BIN)/fencepost sim --seeds 20000 --start 1000
 	$(BIN)/fencepost sim --seeds 5000 --workers 1 --requests 12
 	$(BIN)/fencepost sim --seeds 5000 --workers 5 --requests 40
+	$(BIN)/fencepost sim --seeds 2000 --routers 3
 
 mutants: $(STAMP)
 	$(BIN)/fencepost mutants --seeds 1000
