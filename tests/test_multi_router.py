@@ -354,3 +354,29 @@ def test_a_second_address_of_a_linked_router_is_no_taken_id(
         trio.run(main)
     assert any("linked already through another address" in r.message for r in caplog.records)
     assert not [r for r in caplog.records if "keeps refusing" in r.message]
+
+
+def test_a_router_link_ends_when_the_router_stops_acknowledging() -> None:
+    """A router host that vanishes sends no FIN: the worker's links ask the kernel to end
+    a connection whose bytes stay unacknowledged for router_silence_s (Linux)."""
+    from adapters.runtime.tcp import TransportLimits, notice_silence
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+
+            async def hold(stream: trio.SocketStream) -> None:
+                await stream.receive_some()
+
+            serving = partial(trio.serve_tcp, hold, 0, host="127.0.0.1")
+            [listener] = await nursery.start(serving)
+            port = listener.socket.getsockname()[1]
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            notice_silence(stream, TransportLimits().router_silence_s)
+            assert stream.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            if hasattr(socket, "TCP_USER_TIMEOUT"):
+                assert stream.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 10_000
+                assert stream.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 5
+            await stream.aclose()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

@@ -32,9 +32,11 @@ serves other routers meanwhile (see RemoteWorker._connection).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -76,6 +78,13 @@ class TransportLimits:
     max_unregistered: int = 16
     registration_frame_bytes: int = 64 * 1024
     idle_timeout_s: float | None = None
+    # Worker side: a router whose host vanished (power, network) sends no FIN or RST,
+    # and its link would hold the worker's slots until TCP gives up on the
+    # connection, which by Linux defaults takes about fifteen minutes. The worker
+    # writes a heartbeat on every link each interval, so bytes left unacknowledged
+    # this long mean the router is gone (TCP_USER_TIMEOUT); keepalive probes cover a
+    # link with nothing to write. None leaves the system's defaults.
+    router_silence_s: float | None = 10.0
 
 
 class LinkClosed(Exception):
@@ -464,6 +473,7 @@ class RemoteWorker:
                     log.warning("cannot reach the router at %s:%d: %s", *address, error)
                     backoff_s = await _back_off(backoff_s)
                     continue
+                notice_silence(stream, self.limits.router_silence_s)
                 began = trio.current_time()
                 refusal = await self._session(stream, address)
                 now = trio.current_time()
@@ -574,6 +584,24 @@ class RemoteWorker:
             if not isinstance(message, ToWorker):
                 raise LinkClosed(f"the router sent {type(message).__name__}, a worker's message")
             self.host.from_router(message, router_id)
+
+
+def notice_silence(stream: trio.SocketStream, silence_s: float | None) -> None:
+    """Have the kernel end the connection when the peer stops acknowledging for about
+    silence_s (Linux: TCP_USER_TIMEOUT, and keepalive probes for an idle link); where
+    an option is missing, the system's default stays."""
+    if silence_s is None:
+        return
+    options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    names = ("TCP_USER_TIMEOUT", "TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT")
+    values = (int(silence_s * 1000), max(1, int(silence_s / 2)), max(1, int(silence_s / 6)), 3)
+    for name, value in zip(names, values, strict=True):
+        option = getattr(socket, name, None)
+        if option is not None:
+            options.append((socket.IPPROTO_TCP, option, value))
+    for level, option, value in options:
+        with contextlib.suppress(OSError):
+            stream.setsockopt(level, option, value)
 
 
 async def _back_off(backoff_s: float) -> float:
