@@ -40,14 +40,14 @@ DeclineReason = Literal[
 RouterId = Annotated[str, Meta(max_length=64)]
 
 
-class Assignment(Struct, frozen=True, array_like=True, omit_defaults=True):
+class Assignment(Struct, frozen=True, array_like=True):
     """One attempt at one request. Attempt numbers start at 1 and only grow.
 
     `router` names the router (one incarnation of it) that made the attempt.
     Several routers may share a worker and number their requests independently,
     so a worker tells their assignments apart, and fences each router's
     messages to that router's own assignments, by this field. A lone router
-    may leave it empty (it then costs no byte on the wire).
+    may leave it empty (one byte on the wire).
     """
 
     request_id: RequestId

@@ -185,16 +185,15 @@ class Requests:
             return
         if result.accepted:
             self._accept(req, out)
-        elif result.reason == "no_slot":
-            # The worker is full: with routers sharing workers, that is other routers'
-            # work, not a fault. No offers there until its next heartbeat, and the
-            # request is placed again without spending an attempt.
-            self._release(req, out)
+            return
+        self._release(req, out)
+        # A full worker: with routers sharing workers, that is other routers' work, not
+        # a fault. No offers there until its next heartbeat, and the request is placed
+        # again without spending an attempt.
+        full = result.reason == "no_slot"
+        if full:
             self.fleet.full(worker_id, result.epoch)
-            self._attempt_lost(req, "no_worker", "declined: no_slot", out, full=True)
-        else:
-            self._release(req, out)
-            self._attempt_lost(req, "no_worker", f"declined: {result.reason}", out)
+        self._attempt_lost(req, "no_worker", f"declined: {result.reason}", out, full=full)
 
     def on_offer_timeout(self, assignment: Assignment, out: list[RouterEffect]) -> None:
         req = self.records.get(assignment.request_id)

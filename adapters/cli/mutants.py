@@ -311,8 +311,9 @@ MUTANTS = (
     Mutant(
         "router spends an attempt on a full shared worker",
         "core/requests.py",
-        '            self._attempt_lost(req, "no_worker", "declined: no_slot", out, full=True)\n',
-        '            self._attempt_lost(req, "no_worker", "declined: no_slot", out)\n',
+        '        self._attempt_lost(req, "no_worker", f"declined: {result.reason}", out, '
+        "full=full)\n",
+        '        self._attempt_lost(req, "no_worker", f"declined: {result.reason}", out)\n',
     ),
 )
 
