@@ -155,10 +155,6 @@ class _Armed:
 Owner = str  # a worker id, or "@" + a router id: whose timer it is
 
 
-def router_owner(router_id: str) -> Owner:
-    return "@" + router_id
-
-
 class RouterNode:
     """One router incarnation: its machine, its clients and its router-side oracles."""
 
@@ -169,8 +165,7 @@ class RouterNode:
         self.name = name  # the router's place (its address): its incarnations share it
         self.router_id = router_id
         self.router = Router(config, router_id)
-        self.owner = router_owner(router_id)
-        self.alive = True
+        self.owner: Owner = "@" + router_id
         self.streams: dict[str, ClientStream] = {}
         self.next_request = 0  # the next request id this router's clients get: r0, r1, ...
         self.oracles = Oracles(cluster, self, cluster.disturbances)
@@ -271,7 +266,6 @@ class Cluster:
         it vanishes, and its clients' streams are cut. Returns the workers linked to it
         (each hears its link close when the caller says: `router_link_lost`)."""
         node = self.nodes.pop(router_id)
-        node.alive = False
         self._timers[node.owner] = {}
         for stream in node.streams.values():
             if stream.outcome is None:
@@ -282,10 +276,6 @@ class Cluster:
         """The worker sees its connection to a router close."""
         if worker_id in self.workers:
             self._run_worker(worker_id, RouterUnlinked(router_id, "connection closed"))
-
-    def node_of(self, router_id: str) -> RouterNode | None:
-        """The live router of this id, if it is live."""
-        return self.nodes.get(router_id)
 
     def live_routers(self) -> list[str]:
         return list(self.nodes)

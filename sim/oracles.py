@@ -568,28 +568,28 @@ class WorkerOracles:
         self.violations.append(text)
 
     def after_worker(self, worker_id: str, event: WorkerEvent, effects: list[WorkerEffect]) -> None:
-        epoch = self.cluster.process(worker_id)
+        process = self.cluster.process(worker_id)
         for effect in effects:
             if not isinstance(effect, SendToRouter):
                 continue
             match effect.message:
                 case Token(assignment, index):
-                    key = (worker_id, epoch, assignment)
+                    key = (worker_id, process, assignment)
                     self._sent[key] = max(self._sent.get(key, 0), index + 1)
                 case Finished(assignment, reason) if reason in ("eos", "length"):
                     retained = self.cluster.workers[worker_id].config.retained_outputs
-                    done = self._completed.setdefault((worker_id, epoch), deque(maxlen=retained))
+                    done = self._completed.setdefault((worker_id, process), deque(maxlen=retained))
                     if assignment not in done:
                         done.append(assignment)
-                        self.completions[worker_id, epoch] += 1
-                    self._sent.pop((worker_id, epoch, assignment), None)
+                        self.completions[worker_id, process] += 1
+                    self._sent.pop((worker_id, process, assignment), None)
                 case Finished(assignment):
-                    self._sent.pop((worker_id, epoch, assignment), None)
+                    self._sent.pop((worker_id, process, assignment), None)
         if isinstance(event, FromRouterMessage) and isinstance(event.message, Resend):
-            self._check_resend(worker_id, epoch, event.message, effects)
+            self._check_resend(worker_id, process, event.message, effects)
 
     def _check_resend(
-        self, worker_id: str, epoch: int, resend: Resend, effects: list[WorkerEffect]
+        self, worker_id: str, process: int, resend: Resend, effects: list[WorkerEffect]
     ) -> None:
         assignment = resend.assignment
         answers = [
@@ -599,7 +599,7 @@ class WorkerOracles:
             and isinstance(e.message, TokenRun | Finished)
             and e.message.assignment == assignment
         ]
-        sent = self._sent.get((worker_id, epoch, assignment))
+        sent = self._sent.get((worker_id, process, assignment))
         if assignment in self.cluster.workers[worker_id].holds():
             if sent is not None and resend.from_index < sent:
                 runs = [a for a in answers if isinstance(a, TokenRun)]
@@ -608,7 +608,7 @@ class WorkerOracles:
                         f"{worker_id} asked to resend {assignment} from {resend.from_index} "
                         f"of {sent} sent, answered {answers}"
                     )
-        elif assignment in self._completed.get((worker_id, epoch), ()) and not any(
+        elif assignment in self._completed.get((worker_id, process), ()) and not any(
             isinstance(a, Finished) for a in answers
         ):
             self._violation(
@@ -629,11 +629,11 @@ class WorkerOracles:
         for worker_id, worker in cluster.workers.items():
             if not cluster.alive(worker_id):
                 continue
-            epoch = cluster.process(worker_id)
+            process = cluster.process(worker_id)
             for assignment in worker.holds():
                 if cluster.wants(worker_id, assignment) is not False:
                     continue
-                key = (worker_id, epoch, assignment)
+                key = (worker_id, process, assignment)
                 since = unwanted[key] = self._unwanted.get(key, now)
                 self.waste_s += step if key in self._unwanted else 0.0
                 held = now - max(since, self.disturbances.quiet_since(worker_id))

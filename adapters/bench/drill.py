@@ -101,6 +101,18 @@ def main(drill: Drill) -> int:
     return 0
 
 
+def _chat(drill: Drill, client: int, n: int) -> tuple[dict[str, object], float]:
+    """The body of a client's n-th streaming chat request, and its timeout."""
+    messages = [{"role": "user", "content": PROMPTS[(client + n) % len(PROMPTS)]}]
+    body = {"model": "drill", "messages": messages, "max_tokens": drill.tokens, "temperature": 0}
+    return body, drill.duration_s + 60
+
+
+def _kill(victim: Server, name: str, drill: Drill) -> None:
+    victim.process.send_signal(signal.SIGKILL)
+    print(f"  killed {name} (pid {victim.process.pid}) at {drill.kill_at_s:.0f}s", flush=True)
+
+
 async def _load(port: int, drill: Drill, victim: Server) -> list[StreamResult]:
     results: list[StreamResult] = []
     stop_at = trio.current_time() + drill.duration_s
@@ -108,18 +120,13 @@ async def _load(port: int, drill: Drill, victim: Server) -> list[StreamResult]:
     async def client(i: int) -> None:
         n = 0
         while trio.current_time() < stop_at:
-            messages = [{"role": "user", "content": PROMPTS[(i + n) % len(PROMPTS)]}]
-            body = {"model": "drill", "messages": messages, "max_tokens": drill.tokens,
-                    "temperature": 0}  # fmt: skip
-            timeout_s = drill.duration_s + 60
+            body, timeout_s = _chat(drill, i, n)
             results.append(await stream_chat("127.0.0.1", port, body, FAST, timeout_s))
             n += 1
 
     async def killer() -> None:
         await trio.sleep(drill.kill_at_s)
-        victim.process.send_signal(signal.SIGKILL)
-        pid = victim.process.pid
-        print(f"  killed worker w1 (pid {pid}) at {drill.kill_at_s:.0f}s", flush=True)
+        _kill(victim, "worker w1", drill)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(killer)
@@ -220,10 +227,7 @@ async def _load_routers(
     async def client(i: int) -> None:
         router, n = i % len(ports), 0
         while trio.current_time() < stop_at:
-            messages = [{"role": "user", "content": PROMPTS[(i + n) % len(PROMPTS)]}]
-            body = {"model": "drill", "messages": messages, "max_tokens": drill.tokens,
-                    "temperature": 0}  # fmt: skip
-            timeout_s = drill.duration_s + 60
+            body, timeout_s = _chat(drill, i, n)
             result = await stream_chat("127.0.0.1", ports[router], body, FAST, timeout_s)
             sent.append(Sent(router, result))
             n += 1
@@ -237,10 +241,8 @@ async def _load_routers(
         await trio.sleep(drill.kill_at_s)
         counters = ("fencepost_attempt_retries", "fencepost_stream_resumes")
         at_kill.update(await scrape(ports[0], counters))
-        victim.process.send_signal(signal.SIGKILL)
+        _kill(victim, "router r1", drill)
         killed.set()
-        pid = victim.process.pid
-        print(f"  killed router r1 (pid {pid}) at {drill.kill_at_s:.0f}s", flush=True)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(killer)
