@@ -61,7 +61,7 @@ def test_the_default_model_names_paris(first_load: LoadedModel) -> None:
     assert tokens[-1] in first_load.eos_token_ids  # it stopped by itself, at EOS
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "w4a16"])
 def test_every_weight_format_still_names_paris(first_load: LoadedModel, fmt: str) -> None:
     if fmt not in working_formats(torch.device("cpu")):
         pytest.skip(f"this CPU has no working {fmt} kernel")
@@ -87,8 +87,11 @@ def test_the_quality_gate_scores_formats_against_fp32_and_the_choice_passes_it(
     assert any(line.startswith("CPU: torch kernels") for line in lines)
 
 
-def test_greedy_output_is_the_same_alone_and_in_a_batch(first_load: LoadedModel) -> None:
-    eng = Engine(first_load, BatchLimits(max_seqs=8, max_context=512))
+@pytest.mark.parametrize("fmt", ["fp32", "w4a16"])
+def test_greedy_output_is_the_same_alone_and_in_a_batch(first_load: LoadedModel, fmt: str) -> None:
+    if fmt not in working_formats(torch.device("cpu")):
+        pytest.skip(f"this CPU has no working {fmt} kernel")
+    eng = Engine(first_load, BatchLimits(max_seqs=8, max_context=512), weights=fmt)
     prompt = chat(first_load, "List three colours of the rainbow.")
     alone = generate(eng, [GenerationRequest("x", prompt, 32)])["x"]
     neighbours = [
@@ -195,17 +198,21 @@ def test_the_legacy_completions_endpoint_continues_raw_text_to_paris(
         assert streamed == prompt + done.choices[0].text
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "w4a16"])
 def test_a_greedy_continuation_on_the_real_model_equals_the_undisturbed_run(
-    first_load: LoadedModel,
+    first_load: LoadedModel, fmt: str
 ) -> None:
+    if fmt not in working_formats(torch.device("cpu")):
+        pytest.skip(f"this CPU has no working {fmt} kernel")
     # What a resumed stream relies on: prefilling prompt + delivered tokens and
     # going on gives what decoding them one by one gave (fp32, this CPU).
     prompt = chat(first_load, "Write a short story about a lighthouse keeper.")
     whole = GenerationRequest("w", prompt, 60)
-    full = generate(Engine(first_load, BatchLimits(max_seqs=4, max_context=512)), [whole])["w"]
+    limits = BatchLimits(max_seqs=4, max_context=512)
+    full = generate(Engine(first_load, limits, weights=fmt), [whole])["w"]
     for k in (1, 17, 45):
         cont = GenerationRequest("c", prompt, 60, output_prefix=tuple(full[:k]))
-        eng = Engine(first_load, BatchLimits(max_seqs=4, max_context=512))
+        eng = Engine(first_load, limits, weights=fmt)
         assert full[:k] + generate(eng, [cont])["c"] == full
 
 

@@ -264,7 +264,9 @@ def test_the_engine_thread_streams_events_and_reports_a_broken_step(
         thread.close()
 
 
-@pytest.mark.parametrize(("fmt", "bound"), [("bf16", 0.01), ("int8", 0.02), ("int4", 0.12)])
+@pytest.mark.parametrize(
+    ("fmt", "bound"), [("bf16", 0.01), ("int8", 0.02), ("int4", 0.12), ("w4a16", 0.12)]
+)
 def test_each_weight_format_stays_close_to_fp32(fmt: str, bound: float) -> None:
     torch.manual_seed(3)
     weight, x = torch.randn(96, 64), torch.randn(16, 64)
@@ -288,7 +290,7 @@ def test_int4_keeps_weights_already_on_a_q4_1_grid() -> None:
     assert float((packed - exact).norm() / exact.norm()) < 0.01  # bf16 scales, nothing else
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "w4a16"])
 def test_every_format_runs_the_engine_and_predicts_like_fp32(
     tiny: LlamaForCausalLM, fmt: str
 ) -> None:

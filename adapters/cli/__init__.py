@@ -13,7 +13,7 @@ import argparse
 
 # adapters/engine/weights.py FORMATS, plus "auto" (a test keeps the two alike; named here
 # so that building the command line does not import torch).
-WEIGHT_CHOICES = ("auto", "fp32", "bf16", "int8", "int4")
+WEIGHT_CHOICES = ("auto", "fp32", "bf16", "int8", "int4", "w4a16")
 
 
 def add_weights_argument(parser: argparse.ArgumentParser) -> None:

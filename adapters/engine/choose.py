@@ -4,8 +4,10 @@ CPUs differ between machines (one here has AVX-512 with BF16 and VNNI, another
 had AVX2 only), so nothing is assumed. At start:
 
 1. capability: the CPU's flags and torch's kernel level are read (for the
-   log), and each format's kernel is run once on a small matrix and checked
-   against fp32; a format whose kernel is missing or wrong is not a candidate;
+   log), the native kernels are compiled for the widest instruction set the CPU
+   has (adapters/engine/native.py: AVX-512 VNNI or AVX2; logged, or why not),
+   and each format's kernel is run once on a small matrix and checked against
+   fp32; a format whose kernel is missing or wrong is not a candidate;
 2. quality: each candidate's perplexity against fp32's on the gate text
    (adapters/engine/quality.py; measured once per model and cached);
    a candidate over the gate is dropped;
@@ -51,6 +53,17 @@ def cpu_flags() -> list[str]:
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
     present = set(line.split())
     return [flag for flag in wanted if flag in present]
+
+
+def native_status() -> str:
+    """One line for the log: which native kernels were built here, or why none."""
+    from adapters.engine.native import NativeUnavailable, load
+
+    try:
+        library = load()
+    except NativeUnavailable as error:
+        return f"native kernels (w4a16): not available: {error}"
+    return f"native kernels (w4a16): {library.isa}, {library.tile}-row tiles, {library.path}"
 
 
 def working_formats(device: torch.device) -> list[str]:
@@ -102,6 +115,7 @@ def choose(loaded: LoadedModel, rows: int, say: Say) -> Choice:
     capability = torch.backends.cpu.get_cpu_capability()
     working = working_formats(device)
     say(f"CPU: torch kernels {capability}; flags {' '.join(cpu_flags()) or 'none of note'}")
+    say(native_status())
     quality = perplexities(loaded, [f for f in working if f != "fp32"], GATE_TOKENS, say)
     passing = [f for f in working if passes(quality, f)]
     one = {fmt: decode_step_s(loaded.model, fmt, 1) for fmt in passing}

@@ -160,6 +160,11 @@ class LlamaRunner:
         self._gather_bytes = CPU_GATHER_BYTES if self.device.type == "cpu" else None
         self._q_size = self.heads * self.head_dim
         self._kv_size = self.kv_heads * self.head_dim
+        self._native = None
+        if weights == "w4a16":  # a whole decode step in one call (adapters/engine/native.py)
+            from adapters.engine.native import NativeModel
+
+            self._native = NativeModel(self)
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step must read (each matrix once)."""
@@ -182,6 +187,8 @@ class LlamaRunner:
     def decode(self, pages: Pages, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """One token for each row (its table in `pages`, position, token) -> logits
         [rows, vocab]. Each row's table must cover its position."""
+        if self._native is not None:
+            return self._native.forward(tokens, positions, pages.tables)
         rows, length = tokens.shape[0], pages.length
         x = self.embed[tokens]
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
@@ -234,6 +241,8 @@ class LlamaRunner:
         total = sum(chunk.tokens.shape[0] for chunk in chunks)
         if total == 0:
             raise ValueError("prefill_packed needs at least one token")
+        if self._native is not None:
+            return self._native_prefill(chunks, rows)
         x = self.embed[torch.cat([chunk.tokens for chunk in chunks])]
         spans = []
         for chunk in chunks:
@@ -267,6 +276,25 @@ class LlamaRunner:
             return torch.empty(0, self.vocab_size, device=self.device)
         picked = torch.tensor(list(rows), device=self.device)
         return self._logits(x[picked])
+
+    def _native_prefill(self, chunks: list[Chunk], rows: Sequence[int]) -> torch.Tensor:
+        """prefill_packed through the fused native pass: one row per chunk token, at its
+        position, through its chunk's table; the same computation, row by row, as a
+        decode step (native.c), so a prefilled position equals a decoded one exactly."""
+        assert self._native is not None
+        width = max(-(-(c.start + c.tokens.shape[0]) // self.block_size) for c in chunks)
+        tables, positions = [], []
+        for chunk in chunks:
+            count = chunk.tokens.shape[0]
+            table = chunk.table[:width] + [0] * (width - len(chunk.table[:width]))
+            tables += [table] * count
+            positions.append(torch.arange(chunk.start, chunk.start + count))
+        return self._native.forward(
+            torch.cat([chunk.tokens for chunk in chunks]),
+            torch.cat(positions),
+            torch.tensor(tables, dtype=torch.int32),
+            torch.tensor(list(rows), dtype=torch.int32),
+        )
 
     def _attend_chunk(
         self,

@@ -127,7 +127,8 @@ def perplexities(
     from the cache where measured before; new measurements are added to it."""
     path = gate_cache(loaded, tokens)
     known: dict[str, float] = json.loads(path.read_text()) if path.is_file() else {}
-    missing = [fmt for fmt in ["fp32", *formats] if fmt not in known]
+    names = {fmt: cache_name(fmt) for fmt in ["fp32", *formats]}
+    missing = [fmt for fmt in ["fp32", *formats] if names[fmt] not in known]
     if missing:
         ids = text_tokens(loaded, tokens)
         for fmt in missing:
@@ -135,13 +136,23 @@ def perplexities(
                 say(f"quality gate: scoring {fmt} weights on {tokens} tokens of reference text")
             blocks = -(-(tokens + 1) // DEFAULT_BLOCK_SIZE)
             runner = LlamaRunner(loaded.model, blocks, DEFAULT_BLOCK_SIZE, tokens + 1, fmt)
-            known[fmt] = perplexity(runner, ids)
+            known[names[fmt]] = perplexity(runner, ids)
             del runner
         # Written only when something was measured: a cache baked into a read-only
         # image stays as it is.
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(known, indent=1, sort_keys=True))
-    return {fmt: known[fmt] for fmt in ["fp32", *formats]}
+    return {fmt: known[names[fmt]] for fmt in ["fp32", *formats]}
+
+
+def cache_name(fmt: str) -> str:
+    """The gate cache's key for a format: the native format's includes its kernel
+    source's hash, so results of an older kernel are not taken for this one's."""
+    if fmt == "w4a16":
+        from adapters.engine.native import source_key
+
+        return f"{fmt}-{source_key()}"
+    return fmt
 
 
 def passes(perplexity_of: dict[str, float], fmt: str) -> bool:

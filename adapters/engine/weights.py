@@ -14,6 +14,12 @@
   projection (lm_head, the largest matrix) stays int8 in this format: GGUF
   files keep it at 8 bits (the default model's is Q8_0), and at 4 bits it
   alone cost the default model 8% perplexity.
+- w4a16: the same 4-bit groups (fp16 scale and minimum: exactly a Q4_1 block), but
+  each product quantizes its activations to 8 bits per group of 32 and multiplies
+  integers (AVX-512 VNNI or AVX2), in our own C kernels (adapters/engine/native.c,
+  compiled at first use); the output projection is 8-bit per group of 32 (a Q8_0
+  block, as the default model ships it). A decode step in this format is one call
+  into C (the fused step): no per-operation dispatch from Python.
 
 Which format a CPU should use is measured, not assumed (adapters/engine/choose.py):
 what its kernels run at and whether the format passes the quality gate
@@ -27,8 +33,8 @@ from typing import Protocol
 
 import torch
 
-FORMATS = ("fp32", "bf16", "int8", "int4")
-QUANTIZED = ("int8", "int4")
+FORMATS = ("fp32", "bf16", "int8", "int4", "w4a16")
+QUANTIZED = ("int8", "int4", "w4a16")
 INT4_GROUP = 32
 
 
@@ -39,13 +45,14 @@ class Projection(Protocol):
 
 
 def activation_dtype(fmt: str) -> torch.dtype:
-    """The dtype of everything between products: fp32 for fp32 weights, bf16 otherwise."""
-    return torch.float32 if fmt == "fp32" else torch.bfloat16
+    """The dtype of everything between products: fp32 for fp32 weights and for w4a16 (whose
+    products quantize fp32 activations themselves), bf16 otherwise."""
+    return torch.float32 if fmt in ("fp32", "w4a16") else torch.bfloat16
 
 
 def output_format(fmt: str) -> str:
     """The format of the output projection (lm_head) when the layers are in `fmt`."""
-    return "int8" if fmt == "int4" else fmt
+    return {"int4": "int8", "w4a16": "w8a16"}.get(fmt, fmt)
 
 
 def projection(weight: torch.Tensor, fmt: str) -> Projection:
@@ -58,6 +65,10 @@ def projection(weight: torch.Tensor, fmt: str) -> Projection:
         return Int8(weight)
     if fmt == "int4":
         return Int4(weight)
+    if fmt in ("w4a16", "w8a16"):  # w8a16: only as w4a16's output projection
+        from adapters.engine.native import NativeProduct
+
+        return NativeProduct(weight, 4 if fmt == "w4a16" else 8)
     raise ValueError(f"unknown weight format {fmt!r}; one of {', '.join(FORMATS)}")
 
 

@@ -1,0 +1,542 @@
+/* fencepost's native CPU kernels: integer matrix products and a whole decode step.
+ *
+ * Weights are 4-bit (groups of 32 inputs, a scale and a minimum per group: a Q4_1
+ * block) or 8-bit (groups of 32, a scale per group: a Q8_0 block, for the output
+ * projection). Each product first turns its fp32 activations into 16-bit integers
+ * per group of 32 (one scale a group), held as two signed bytes (quantize() says
+ * why), multiplies integers exactly (VNNI's vpdpbusd, or AVX2's vpmaddubsw +
+ * vpmaddwd, once per byte), then scales each group's integer sum in fp32.
+ *
+ * Layout: outputs are packed in tiles of TILE rows (16 with AVX-512, 8 with AVX2),
+ * four inputs of each row side by side, so one vector register holds TILE rows x 4
+ * inputs and each 32-bit lane of the integer product is one output row: no
+ * horizontal sums anywhere, and every output is computed by the same sequence of
+ * operations whatever the number of activation rows, the tile it sits in, or the
+ * instruction set. A row's result is therefore the same alone or in any batch,
+ * and the same on AVX2 and AVX-512 machines.
+ *
+ * Per tile and group, 4-bit: four sub-blocks of TILE*4 bytes (sub-block b covers
+ * inputs 8b..8b+7 of the group: byte 4*o + j holds input 8b+j of row o in its low
+ * nibble and input 8b+4+j in its high nibble), then TILE fp16 scales, then TILE fp16
+ * minimums: 20*TILE bytes for 32*TILE weights (5 bits a weight, as Q4_1).
+ * 8-bit: eight sub-blocks of TILE*4 signed bytes (inputs 4b..4b+3), then TILE fp16
+ * scales: 34*TILE bytes (as Q8_0).
+ *
+ * Compiled by adapters/engine/native.py at first use for the instruction set the
+ * CPU reports (FP_AVX512 or FP_AVX2), with -ffp-contract=off so that the compiler
+ * fuses nothing on its own; the elementwise code sums in a fixed order of 16
+ * partial sums, whatever the vector width.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(FP_AVX512)
+#define TILE 16
+#define FP_ISA "avx512-vnni"
+#elif defined(FP_AVX2)
+#define TILE 8
+#define FP_ISA "avx2"
+#else
+#error "define FP_AVX512 or FP_AVX2"
+#endif
+
+#define GROUP 32
+
+typedef struct {
+    int32_t out, in, groups, tiles, bits;
+    const uint8_t *data;
+} Mat;
+
+typedef struct { /* activations quantized per group of 32, in two 8-bit parts */
+    int32_t rows, in, groups;
+    int8_t *c;      /* [rows][in] high part: round(x / d), d = max |x| / 127 */
+    int8_t *c2;     /* [rows][in] low part: round((x - c * d) * 128 / d), within +-64 */
+    float *d;       /* [rows][groups] scale of the 16-bit value 128 * c + c2: d / 128 */
+    float *dsum;    /* [rows][groups] that scale times the sum of the 16-bit values */
+    int32_t *csum;  /* [rows][groups] sum of the 16-bit values */
+} Act;
+
+typedef struct {
+    int32_t hidden, heads, kv_heads, head_dim, inter, vocab, layers;
+    int32_t block_size, slots, max_context;
+    float eps;
+    const float *embed;      /* [vocab][hidden] */
+    const float *final_norm; /* [hidden] */
+    const Mat *head;
+    const float *const *input_norm; /* [layers] -> [hidden] */
+    const float *const *post_norm;
+    const Mat *qkv, *o, *gate_up, *down; /* [layers] */
+    float *k_cache, *v_cache; /* [layers][kv_heads][slots][head_dim] */
+    const float *cos, *sin;   /* [max_context][head_dim] */
+} Model;
+
+const char *fp_isa(void) { return FP_ISA; }
+int32_t fp_tile(void) { return TILE; }
+
+/* ---- activation quantization ---------------------------------------------------- */
+
+/* Each group of 32 becomes 16-bit integers v = 128 * c + c2 with one fp32 scale: the
+ * high byte c is x rounded at d = max |x| / 127, the low byte c2 the remainder rounded
+ * at d / 128. One 8-bit part alone erred several percent on this project's default
+ * model (a group's largest value sets the step for all 32); the two parts keep ~15
+ * bits, and the integer products stay exact (two 8-bit products, summed as 128 * hi
+ * + lo in 32 bits). */
+/* Round to the nearest integer, ties to even, for |v| < 2^22: adding and taking away
+ * 1.5 * 2^23 leaves no fraction bits (vectorizes; nearbyintf may not). */
+static inline float round_even(float v) { return (v + 12582912.0f) - 12582912.0f; }
+
+static void quantize(const float *x, int rows, int in, Act *a) {
+    int groups = in / GROUP;
+    a->rows = rows;
+    a->in = in;
+    a->groups = groups;
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (size_t)r * in;
+        int8_t *cr = a->c + (size_t)r * in, *lr = a->c2 + (size_t)r * in;
+        for (int g = 0; g < groups; g++) {
+            const float *xg = xr + g * GROUP;
+            float part[16];
+            for (int j = 0; j < 16; j++) {
+                float u = fabsf(xg[j]), v = fabsf(xg[j + 16]);
+                part[j] = u > v ? u : v;
+            }
+            for (int w = 8; w >= 1; w /= 2)
+                for (int j = 0; j < w; j++) part[j] = part[j] > part[j + w] ? part[j] : part[j + w];
+            float d = part[0] / 127.0f;
+            float inv = d > 0.0f ? 1.0f / d : 0.0f;
+            int32_t hi[GROUP], lo[GROUP];
+            for (int i = 0; i < GROUP; i++) {
+                float h = round_even(xg[i] * inv); /* within +-127: |x| <= max |x| */
+                float l = round_even((xg[i] - h * d) * inv * 128.0f);
+                l = l > 127.0f ? 127.0f : (l < -127.0f ? -127.0f : l);
+                hi[i] = (int32_t)h;
+                lo[i] = (int32_t)l;
+            }
+            int32_t sum = 0;
+            for (int i = 0; i < GROUP; i++) {
+                cr[g * GROUP + i] = (int8_t)hi[i];
+                lr[g * GROUP + i] = (int8_t)lo[i];
+                sum += 128 * hi[i] + lo[i];
+            }
+            float step = d / 128.0f;
+            a->d[r * groups + g] = step;
+            a->csum[r * groups + g] = sum;
+            a->dsum[r * groups + g] = step * (float)sum;
+        }
+    }
+}
+
+/* ---- products: y[r][o] = sum over inputs of W[o][i] * dequantized x[r][i] -------- */
+
+#if defined(FP_AVX512)
+typedef __m512 vf;
+typedef __m512i vi;
+#define VF_ZERO() _mm512_setzero_ps()
+#define VI_ZERO() _mm512_setzero_si512()
+#define VI_LOAD(p) _mm512_loadu_si512((const void *)(p))
+#define VI_AND(a, b) _mm512_and_si512(a, b)
+#define VI_SHR4(a) _mm512_srli_epi16(a, 4)
+#define VI_SET1B(v) _mm512_set1_epi8(v)
+#define VI_BCAST32(p) _mm512_set1_epi32(*(const int32_t *)(p))
+#define VI_SET1(v) _mm512_set1_epi32(v)
+#define VI_SUB(a, b) _mm512_sub_epi32(a, b)
+#define VI_JOIN(hi, lo) _mm512_add_epi32(_mm512_slli_epi32(hi, 7), lo) /* 128 * hi + lo */
+#define VF_SET1(v) _mm512_set1_ps(v)
+#define VF_CVT(a) _mm512_cvtepi32_ps(a)
+#define VF_MUL(a, b) _mm512_mul_ps(a, b)
+#define VF_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VF_HALF(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+/* u8 x s8, four products summed per 32-bit lane, added to acc */
+#define DOT_U4(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
+/* signed 8-bit weights: shifted to unsigned once per load (w + 128), and the extra
+ * 128 * sum(x) taken off per group (S8_BIASED) */
+#define PREP_S8(w) _mm512_xor_si512(w, VI_SET1B((char)0x80))
+#define DOT_S8(acc, u, w, x) _mm512_dpbusd_epi32(acc, u, x)
+#define S8_BIASED 1
+static inline void vf_store(float *y, vf v, int n) {
+    if (n == TILE)
+        _mm512_storeu_ps(y, v);
+    else
+        _mm512_mask_storeu_ps(y, (__mmask16)((1u << n) - 1u), v);
+}
+#else
+typedef __m256 vf;
+typedef __m256i vi;
+#define VF_ZERO() _mm256_setzero_ps()
+#define VI_ZERO() _mm256_setzero_si256()
+#define VI_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define VI_AND(a, b) _mm256_and_si256(a, b)
+#define VI_SHR4(a) _mm256_srli_epi16(a, 4)
+#define VI_SET1B(v) _mm256_set1_epi8(v)
+#define VI_BCAST32(p) _mm256_set1_epi32(*(const int32_t *)(p))
+#define VI_SET1(v) _mm256_set1_epi32(v)
+#define VI_SUB(a, b) _mm256_sub_epi32(a, b)
+#define VI_JOIN(hi, lo) _mm256_add_epi32(_mm256_slli_epi32(hi, 7), lo)
+#define VF_SET1(v) _mm256_set1_ps(v)
+#define VF_CVT(a) _mm256_cvtepi32_ps(a)
+#define VF_MUL(a, b) _mm256_mul_ps(a, b)
+#define VF_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VF_HALF(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+/* u8 x s8: pairs summed to 16 bits (at most 2 * 15 * 127, no saturation), then to 32 */
+#define DOT_U4(acc, w, x) \
+    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)))
+/* s8 x s8 as |w| times x with w's sign: at most 2 * 128 * 127, within 16 bits */
+#define PREP_S8(w) _mm256_sign_epi8(w, w)
+#define DOT_S8(acc, u, w, x)                                                              \
+    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(x, w)), \
+                                            _mm256_set1_epi16(1)))
+#define S8_BIASED 0
+static inline void vf_store(float *y, vf v, int n) {
+    if (n == TILE) {
+        _mm256_storeu_ps(y, v);
+    } else {
+        float tmp[TILE];
+        _mm256_storeu_ps(tmp, v);
+        memcpy(y, tmp, (size_t)n * sizeof(float));
+    }
+}
+#endif
+
+/* RB activation rows (from r0) against tiles t0..t1 of a 4-bit matrix. */
+#define DEFINE_Q4(RB)                                                                      \
+    static void q4_rows_##RB(const Mat *m, const Act *a, int r0, float *y, int t0, int t1) { \
+        const vi low = VI_SET1B(0x0F);                                                     \
+        const int groups = m->groups, in = m->in, out = m->out;                           \
+        for (int t = t0; t < t1; t++) {                                                    \
+            const uint8_t *p = m->data + (size_t)t * groups * 20 * TILE;                   \
+            vf acc[RB];                                                                    \
+            for (int r = 0; r < RB; r++) acc[r] = VF_ZERO();                               \
+            for (int g = 0; g < groups; g++) {                                             \
+                vi high_sum[RB], low_sum[RB];                                              \
+                for (int r = 0; r < RB; r++) high_sum[r] = low_sum[r] = VI_ZERO();         \
+                for (int b = 0; b < 4; b++) {                                              \
+                    vi packed = VI_LOAD(p);                                                \
+                    vi lo = VI_AND(packed, low), hi = VI_AND(VI_SHR4(packed), low);        \
+                    for (int r = 0; r < RB; r++) {                                         \
+                        size_t at = (size_t)(r0 + r) * in + g * GROUP + 8 * b;             \
+                        high_sum[r] = DOT_U4(high_sum[r], lo, VI_BCAST32(a->c + at));      \
+                        high_sum[r] = DOT_U4(high_sum[r], hi, VI_BCAST32(a->c + at + 4));  \
+                        low_sum[r] = DOT_U4(low_sum[r], lo, VI_BCAST32(a->c2 + at));       \
+                        low_sum[r] = DOT_U4(low_sum[r], hi, VI_BCAST32(a->c2 + at + 4));   \
+                    }                                                                      \
+                    p += 4 * TILE;                                                         \
+                }                                                                          \
+                vf scale = VF_HALF(p), minimum = VF_HALF(p + 2 * TILE);                    \
+                p += 4 * TILE;                                                             \
+                for (int r = 0; r < RB; r++) {                                             \
+                    int at = (r0 + r) * groups + g;                                        \
+                    vf s = VF_MUL(scale, VF_SET1(a->d[at]));                               \
+                    acc[r] = VF_FMA(VF_CVT(VI_JOIN(high_sum[r], low_sum[r])), s, acc[r]);  \
+                    acc[r] = VF_FMA(minimum, VF_SET1(a->dsum[at]), acc[r]);                \
+                }                                                                          \
+            }                                                                              \
+            int n = out - t * TILE < TILE ? out - t * TILE : TILE;                         \
+            for (int r = 0; r < RB; r++) vf_store(y + (size_t)(r0 + r) * out + t * TILE, acc[r], n); \
+        }                                                                                  \
+    }
+
+/* RB activation rows (from r0) against tiles t0..t1 of an 8-bit matrix. */
+#define DEFINE_Q8(RB)                                                                      \
+    static void q8_rows_##RB(const Mat *m, const Act *a, int r0, float *y, int t0, int t1) { \
+        const int groups = m->groups, in = m->in, out = m->out;                           \
+        for (int t = t0; t < t1; t++) {                                                    \
+            const uint8_t *p = m->data + (size_t)t * groups * 34 * TILE;                   \
+            vf acc[RB];                                                                    \
+            for (int r = 0; r < RB; r++) acc[r] = VF_ZERO();                               \
+            for (int g = 0; g < groups; g++) {                                             \
+                vi high_sum[RB], low_sum[RB];                                              \
+                for (int r = 0; r < RB; r++) high_sum[r] = low_sum[r] = VI_ZERO();         \
+                for (int b = 0; b < 8; b++) {                                              \
+                    vi w = VI_LOAD(p), u = PREP_S8(w);                                     \
+                    for (int r = 0; r < RB; r++) {                                         \
+                        size_t at = (size_t)(r0 + r) * in + g * GROUP + 4 * b;             \
+                        high_sum[r] = DOT_S8(high_sum[r], u, w, VI_BCAST32(a->c + at));    \
+                        low_sum[r] = DOT_S8(low_sum[r], u, w, VI_BCAST32(a->c2 + at));     \
+                    }                                                                      \
+                    p += 4 * TILE;                                                         \
+                }                                                                          \
+                vf scale = VF_HALF(p);                                                     \
+                p += 2 * TILE;                                                             \
+                for (int r = 0; r < RB; r++) {                                             \
+                    int at = (r0 + r) * groups + g;                                        \
+                    vi sum = VI_JOIN(high_sum[r], low_sum[r]);                             \
+                    if (S8_BIASED) sum = VI_SUB(sum, VI_SET1(128 * a->csum[at]));          \
+                    acc[r] = VF_FMA(VF_CVT(sum), VF_MUL(scale, VF_SET1(a->d[at])), acc[r]); \
+                }                                                                          \
+            }                                                                              \
+            int n = out - t * TILE < TILE ? out - t * TILE : TILE;                         \
+            for (int r = 0; r < RB; r++) vf_store(y + (size_t)(r0 + r) * out + t * TILE, acc[r], n); \
+        }                                                                                  \
+    }
+
+/* Rows per pass: as many as the vector registers hold (three accumulators a row). */
+DEFINE_Q4(1)
+DEFINE_Q4(2)
+DEFINE_Q4(3)
+DEFINE_Q8(1)
+DEFINE_Q8(2)
+DEFINE_Q8(3)
+#if defined(FP_AVX512)
+DEFINE_Q4(6)
+DEFINE_Q8(6)
+#define MOST_ROWS 6
+#else
+#define MOST_ROWS 3
+#endif
+
+typedef void (*rows_fn)(const Mat *, const Act *, int, float *, int, int);
+
+static void product(const Mat *m, const Act *a, float *y) {
+    static const rows_fn q4[] = {0, q4_rows_1, q4_rows_2, q4_rows_3};
+    static const rows_fn q8[] = {0, q8_rows_1, q8_rows_2, q8_rows_3};
+    /* A band of tiles at a time, every row through it: with many rows (a prefill) the
+     * band's weights stay in cache while the rows pass. */
+    const int band = 8;
+    for (int t0 = 0; t0 < m->tiles; t0 += band) {
+        int t1 = t0 + band < m->tiles ? t0 + band : m->tiles;
+        int r = 0;
+        while (r < a->rows) {
+            int left = a->rows - r;
+            rows_fn fn;
+            int take;
+            if (left >= MOST_ROWS && MOST_ROWS > 3) {
+#if defined(FP_AVX512)
+                fn = m->bits == 4 ? q4_rows_6 : q8_rows_6;
+#else
+                fn = 0;
+#endif
+                take = MOST_ROWS;
+            } else {
+                take = left > 3 ? 3 : left;
+                fn = m->bits == 4 ? q4[take] : q8[take];
+            }
+            fn(m, a, r, y, t0, t1);
+            r += take;
+        }
+    }
+}
+
+/* ---- activation buffers ----------------------------------------------------------- */
+
+static int act_reserve(Act *a, int rows, int in) {
+    int groups = in / GROUP;
+    a->c = malloc((size_t)rows * in);
+    a->c2 = malloc((size_t)rows * in);
+    a->d = malloc((size_t)rows * groups * sizeof(float));
+    a->dsum = malloc((size_t)rows * groups * sizeof(float));
+    a->csum = malloc((size_t)rows * groups * sizeof(int32_t));
+    return a->c && a->c2 && a->d && a->dsum && a->csum;
+}
+
+static void act_free(Act *a) {
+    free(a->c);
+    free(a->c2);
+    free(a->d);
+    free(a->dsum);
+    free(a->csum);
+}
+
+/* y [rows][out] = x [rows][in] through m. Returns 0, or -1 when out of memory. */
+int fp_matmul(const Mat *m, const float *x, int32_t rows, float *y) {
+    Act a;
+    if (!act_reserve(&a, rows, m->in)) {
+        act_free(&a);
+        return -1;
+    }
+    quantize(x, rows, m->in, &a);
+    product(m, &a, y);
+    act_free(&a);
+    return 0;
+}
+
+/* ---- elementwise, in a fixed order of 16 partial sums ------------------------------ */
+
+/* e^v for v in [-87, 88] (clamped outside) to about 2 ulp: v = n ln 2 + f with |f| <=
+ * ln 2 / 2, e^f by its Taylor series to f^7, times 2^n built in the exponent bits.
+ * Branch-free, so loops of it vectorize; the same bits on every instruction set. */
+static inline float exp_approx(float v) {
+    v = v < -87.0f ? -87.0f : (v > 88.0f ? 88.0f : v);
+    float n = round_even(v * 1.44269504f);
+    float f = (v - n * 0.693145752f) - n * 1.42860677e-6f;
+    float p = 1.0f / 5040.0f;
+    p = p * f + 1.0f / 720.0f;
+    p = p * f + 1.0f / 120.0f;
+    p = p * f + 1.0f / 24.0f;
+    p = p * f + 1.0f / 6.0f;
+    p = p * f + 0.5f;
+    p = p * f + 1.0f;
+    p = p * f + 1.0f;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
+    return p * scale.f;
+}
+
+static float sum16(const float *part) {
+    float s8[8], s4[4];
+    for (int i = 0; i < 8; i++) s8[i] = part[i] + part[i + 8];
+    for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+static float dot(const float *a, const float *b, int n) { /* n % 16 == 0 */
+    float part[16] = {0};
+    for (int i = 0; i < n; i += 16)
+        for (int j = 0; j < 16; j++) part[j] += a[i + j] * b[i + j];
+    return sum16(part);
+}
+
+static void rms_norm(const float *x, const float *w, int n, float eps, float *out) {
+    float mean = dot(x, x, n) / (float)n;
+    float inv = 1.0f / sqrtf(mean + eps);
+    for (int i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
+}
+
+static void rotate(float *x, const float *cos, const float *sin, int dim) {
+    int half = dim / 2;
+    float tmp[512];
+    memcpy(tmp, x, (size_t)dim * sizeof(float));
+    for (int i = 0; i < half; i++) {
+        x[i] = tmp[i] * cos[i] - tmp[i + half] * sin[i];
+        x[i + half] = tmp[i + half] * cos[i + half] + tmp[i] * sin[i + half];
+    }
+}
+
+static inline int64_t slot_of(const int32_t *table, int block_size, int64_t position) {
+    return (int64_t)table[position / block_size] * block_size + position % block_size;
+}
+
+/* One row's attention at `position`: q [heads][dim] (scaled) over its keys and values
+ * at positions 0..position, found in the cache at slots[0..position] -> out
+ * [heads][dim]. */
+static void attend(const Model *md, int layer, const float *q, const int64_t *slots,
+                   int64_t position, float *scores, float *out) {
+    int dim = md->head_dim, group = md->heads / md->kv_heads;
+    int64_t count = position + 1;
+    size_t head_stride = (size_t)md->slots * dim;
+    size_t layer_stride = (size_t)md->kv_heads * head_stride;
+    for (int h = 0; h < md->kv_heads; h++) {
+        const float *keys = md->k_cache + layer * layer_stride + h * head_stride;
+        const float *values = md->v_cache + layer * layer_stride + h * head_stride;
+        for (int p = 0; p < count; p++) {
+            const float *k = keys + slots[p] * dim;
+            for (int j = 0; j < group; j++)
+                scores[j * count + p] = dot(q + (h * group + j) * dim, k, dim);
+        }
+        for (int j = 0; j < group; j++) {
+            float *s = scores + j * count;
+            float top = -INFINITY;
+            for (int p = 0; p < count; p++) top = s[p] > top ? s[p] : top;
+            for (int p = 0; p < count; p++) s[p] = exp_approx(s[p] - top);
+            float part[16] = {0};
+            int p = 0;
+            for (; p + 16 <= count; p += 16)
+                for (int i = 0; i < 16; i++) part[i] += s[p + i];
+            for (; p < count; p++) part[0] += s[p];
+            float inv = 1.0f / sum16(part);
+            float acc[512]; /* local: the compiler sees it alias nothing, and vectorizes */
+            for (int i = 0; i < dim; i++) acc[i] = 0.0f;
+            for (p = 0; p < count; p++) {
+                const float *v = values + slots[p] * dim;
+                float w = s[p] * inv;
+                for (int i = 0; i < dim; i += 16)
+                    for (int k = 0; k < 16; k++) acc[i + k] += w * v[i + k];
+            }
+            memcpy(out + (h * group + j) * dim, acc, (size_t)dim * sizeof(float));
+        }
+    }
+}
+
+static inline float silu(float v) { return v / (1.0f + exp_approx(-v)); }
+
+/* One forward pass of `rows` rows, each a token at a position of a sequence whose block
+ * table (`width` blocks, covering the position) it names -> logits [count][vocab] of
+ * the rows listed in `wanted`. Each layer writes every row's key and value before any
+ * row attends, so rows of one sequence at consecutive positions (a prefill chunk)
+ * see each other causally: a decode step and a prefill are the same computation, row
+ * by row. Returns 0, or -1 when out of memory. */
+int fp_forward(const Model *md, int32_t rows, const int64_t *tokens, const int64_t *positions,
+               const int32_t *tables, int32_t width, const int32_t *wanted, int32_t count,
+               float *logits) {
+    int hidden = md->hidden, dim = md->head_dim, inter = md->inter;
+    int q_size = md->heads * dim, kv_size = md->kv_heads * dim;
+    int qkv_size = q_size + 2 * kv_size;
+    int widest = hidden > inter ? hidden : inter;
+    int64_t longest = 0;
+    for (int r = 0; r < rows; r++) longest = positions[r] + 1 > longest ? positions[r] + 1 : longest;
+    int group = md->heads / md->kv_heads;
+    float *x = malloc((size_t)rows * hidden * sizeof(float));
+    float *normed = malloc((size_t)rows * widest * sizeof(float));
+    float *fused = malloc((size_t)rows * 2 * inter * sizeof(float) + (size_t)rows * qkv_size * sizeof(float));
+    float *attn = malloc((size_t)rows * q_size * sizeof(float));
+    float *out = malloc((size_t)rows * hidden * sizeof(float));
+    float *scores = malloc((size_t)group * longest * sizeof(float));
+    int64_t *slots = malloc((size_t)rows * longest * sizeof(int64_t)); /* [rows][longest] */
+    Act a;
+    int ok = act_reserve(&a, rows, widest) && x && normed && fused && attn && out && scores && slots;
+    if (ok) {
+        for (int r = 0; r < rows; r++) /* where each row's positions are in the cache */
+            for (int64_t p = 0; p <= positions[r]; p++)
+                slots[r * longest + p] = slot_of(tables + (size_t)r * width, md->block_size, p);
+        for (int r = 0; r < rows; r++)
+            memcpy(x + (size_t)r * hidden, md->embed + (size_t)tokens[r] * hidden,
+                   (size_t)hidden * sizeof(float));
+        size_t head_stride = (size_t)md->slots * dim;
+        size_t layer_stride = (size_t)md->kv_heads * head_stride;
+        for (int l = 0; l < md->layers; l++) {
+            for (int r = 0; r < rows; r++)
+                rms_norm(x + (size_t)r * hidden, md->input_norm[l], hidden, md->eps,
+                         normed + (size_t)r * hidden);
+            quantize(normed, rows, hidden, &a);
+            product(&md->qkv[l], &a, fused);
+            for (int r = 0; r < rows; r++) {
+                float *f = fused + (size_t)r * qkv_size;
+                int64_t pos = positions[r];
+                const float *cos = md->cos + pos * dim, *sin = md->sin + pos * dim;
+                for (int h = 0; h < md->heads + md->kv_heads; h++) rotate(f + h * dim, cos, sin, dim);
+                int64_t slot = slots[r * longest + pos];
+                for (int h = 0; h < md->kv_heads; h++) {
+                    size_t at = l * layer_stride + h * head_stride + slot * dim;
+                    memcpy(md->k_cache + at, f + q_size + h * dim, (size_t)dim * sizeof(float));
+                    memcpy(md->v_cache + at, f + q_size + kv_size + h * dim, (size_t)dim * sizeof(float));
+                }
+            }
+            for (int r = 0; r < rows; r++)
+                attend(md, l, fused + (size_t)r * qkv_size, slots + r * longest, positions[r], scores,
+                       attn + (size_t)r * q_size);
+            quantize(attn, rows, q_size, &a);
+            product(&md->o[l], &a, out);
+            for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += out[i];
+            for (int r = 0; r < rows; r++)
+                rms_norm(x + (size_t)r * hidden, md->post_norm[l], hidden, md->eps,
+                         normed + (size_t)r * hidden);
+            quantize(normed, rows, hidden, &a);
+            product(&md->gate_up[l], &a, fused);
+            for (int r = 0; r < rows; r++) {
+                const float *gu = fused + (size_t)r * 2 * inter;
+                float *h = normed + (size_t)r * inter;
+                for (int i = 0; i < inter; i++) h[i] = silu(gu[i]) * gu[inter + i];
+            }
+            quantize(normed, rows, inter, &a);
+            product(&md->down[l], &a, out);
+            for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += out[i];
+        }
+        for (int k = 0; k < count; k++)
+            rms_norm(x + (size_t)wanted[k] * hidden, md->final_norm, hidden, md->eps,
+                     normed + (size_t)k * hidden);
+        if (count > 0) {
+            quantize(normed, count, hidden, &a);
+            product(md->head, &a, logits);
+        }
+    }
+    act_free(&a);
+    free(x);
+    free(normed);
+    free(fused);
+    free(attn);
+    free(out);
+    free(scores);
+    free(slots);
+    return ok ? 0 : -1;
+}

@@ -1,0 +1,416 @@
+"""The native CPU path (adapters/engine/native.c): integer products and a fused decode step.
+
+The C source ships with the package and is compiled at first use with the system's C
+compiler for the instruction set this CPU reports (AVX-512 with VNNI, else AVX2 with FMA
+and F16C), into the cache folder (keyed by the source, the flags and the compiler), and
+loaded with ctypes. Nothing is assumed: with no compiler, or a CPU with neither
+instruction set, `load()` raises NativeUnavailable naming why, and the engine's weight
+choice (adapters/engine/choose.py) simply has one candidate fewer.
+
+`FENCEPOST_NATIVE=off` turns the path off; `FENCEPOST_NATIVE=avx2` builds the AVX2
+variant even on an AVX-512 machine (the tests compare the two: they must agree bit for
+bit, see native.c).
+
+What is packed here (native.c's header has the byte layout):
+- 4-bit matrices (`bits=4`): groups of 32 inputs, an fp16 scale and minimum per group
+  (W = q * scale + minimum, q in 0..15): a Q4_1 block, so the default model's 4-bit
+  weights come back as shipped;
+- 8-bit matrices (`bits=8`): groups of 32, an fp16 scale per group (W = q * scale,
+  q in -127..127): a Q8_0 block, for the output projection.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SOURCE = Path(__file__).with_name("native.c")
+GROUP = 32
+ISAS = {
+    # name: (CPU flags needed, compiler flags, define)
+    "avx512": (
+        ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c", "avx2"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c", "-mavx2"),
+        "FP_AVX512",
+    ),
+    "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), "FP_AVX2"),
+}
+
+
+class NativeUnavailable(RuntimeError):
+    """The native path cannot run here (the message says why)."""
+
+
+@cache
+def source_key() -> str:
+    """A short hash of native.c: measurements of the native format (the quality gate's
+    cache) are kept per kernel source, so a changed kernel is measured again."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+
+
+class Mat(ctypes.Structure):
+    _fields_ = [
+        ("out", ctypes.c_int32),
+        ("in_", ctypes.c_int32),
+        ("groups", ctypes.c_int32),
+        ("tiles", ctypes.c_int32),
+        ("bits", ctypes.c_int32),
+        ("data", ctypes.c_void_p),
+    ]
+
+
+class ModelStruct(ctypes.Structure):
+    _fields_ = [
+        ("hidden", ctypes.c_int32),
+        ("heads", ctypes.c_int32),
+        ("kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("inter", ctypes.c_int32),
+        ("vocab", ctypes.c_int32),
+        ("layers", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+        ("slots", ctypes.c_int32),
+        ("max_context", ctypes.c_int32),
+        ("eps", ctypes.c_float),
+        ("embed", ctypes.c_void_p),
+        ("final_norm", ctypes.c_void_p),
+        ("head", ctypes.POINTER(Mat)),
+        ("input_norm", ctypes.POINTER(ctypes.c_void_p)),
+        ("post_norm", ctypes.POINTER(ctypes.c_void_p)),
+        ("qkv", ctypes.POINTER(Mat)),
+        ("o", ctypes.POINTER(Mat)),
+        ("gate_up", ctypes.POINTER(Mat)),
+        ("down", ctypes.POINTER(Mat)),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+    ]
+
+
+@dataclass(frozen=True)
+class Library:
+    isa: str
+    tile: int
+    path: Path
+    handle: Any  # ctypes.CDLL
+
+    def matmul(self, mat: Mat, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self.handle.fp_matmul(ctypes.byref(mat), x.data_ptr(), x.shape[0], y.data_ptr()):
+            raise MemoryError("native product: out of memory")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split()[2:])
+
+
+def pick_isa(flags: set[str], wanted: str | None = None) -> str:
+    """The instruction set to build for: `wanted` if given, else the widest the CPU has."""
+    names = [wanted] if wanted else list(ISAS)
+    for name in names:
+        if name not in ISAS:
+            raise NativeUnavailable(f"unknown instruction set {name!r}; one of {', '.join(ISAS)}")
+        missing = [flag for flag in ISAS[name][0] if flag not in flags]
+        if not missing:
+            return name
+        if wanted:
+            raise NativeUnavailable(f"{name} needs CPU flags {', '.join(missing)}")
+    raise NativeUnavailable("the CPU has neither AVX-512 with VNNI nor AVX2 with FMA and F16C")
+
+
+def load(isa: str | None = None) -> Library:
+    """The compiled library for `isa` (default: FENCEPOST_NATIVE, else the CPU's widest)."""
+    setting = os.environ.get("FENCEPOST_NATIVE", "").strip().lower()
+    if setting in ("off", "0", "no", "false"):
+        raise NativeUnavailable("turned off by FENCEPOST_NATIVE")
+    return _load(isa or (setting if setting not in ("", "auto", "on") else None))
+
+
+@cache
+def _load(wanted: str | None) -> Library:
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise NativeUnavailable(f"x86-64 kernels; this machine is {platform.machine()}")
+    isa = pick_isa(cpu_flags(), wanted)
+    path = _build(isa)
+    try:
+        handle = ctypes.CDLL(str(path))
+    except OSError as error:
+        raise NativeUnavailable(f"could not load {path}: {error}") from error
+    handle.fp_isa.restype = ctypes.c_char_p
+    handle.fp_tile.restype = ctypes.c_int32
+    handle.fp_matmul.restype = ctypes.c_int
+    handle.fp_matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
+    handle.fp_forward.restype = ctypes.c_int
+    handle.fp_forward.argtypes = [
+        ctypes.c_void_p,  # model
+        ctypes.c_int32,  # rows
+        ctypes.c_void_p,  # tokens int64
+        ctypes.c_void_p,  # positions int64
+        ctypes.c_void_p,  # tables int32
+        ctypes.c_int32,  # width
+        ctypes.c_void_p,  # wanted rows int32
+        ctypes.c_int32,  # how many
+        ctypes.c_void_p,  # logits
+    ]
+    return Library(isa, int(handle.fp_tile()), path, handle)
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC", ""), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    raise NativeUnavailable("no C compiler (cc, gcc or clang) on PATH")
+
+
+def _build(isa: str) -> Path:
+    from adapters.engine.model import cache_root
+
+    compiler = _compiler()
+    _, machine_flags, define = ISAS[isa]
+    flags = ["-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
+    flags += ["-fno-trapping-math", f"-D{define}"]
+    flags += machine_flags
+    try:
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        raise NativeUnavailable(f"{compiler} --version failed: {error}") from error
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + " ".join(flags).encode() + version.encode()
+    ).hexdigest()[:16]
+    for folder in (cache_root() / "native", Path(tempfile.gettempdir()) / "fencepost-native"):
+        target = folder / f"{isa}-{key}.so"
+        if target.is_file():
+            return target
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=folder) as scratch:
+                built = Path(scratch) / target.name
+                command = [compiler, *flags, str(SOURCE), "-o", str(built), "-lm"]
+                done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+                if done.returncode:
+                    raise NativeUnavailable(
+                        f"compiling {SOURCE.name} failed: {done.stderr.strip()[-2000:]}"
+                    )
+                os.replace(built, target)  # atomic: a concurrent build loses nothing
+            return target
+        except OSError:
+            continue  # a read-only cache: try the temporary folder
+    raise NativeUnavailable("no writable folder for the compiled kernels")
+
+
+def _tiles(rows: int, tile: int) -> int:
+    return -(-rows // tile)
+
+
+def pack4(weight: torch.Tensor, tile: int) -> torch.Tensor:
+    """[out, in] float -> the 4-bit layout of native.c (uint8, tiles x groups x 20*tile)."""
+    out_features, in_features = weight.shape
+    if in_features % GROUP:
+        raise ValueError(f"4-bit needs the input size ({in_features}) divisible by {GROUP}")
+    tiles, groups = _tiles(out_features, tile), in_features // GROUP
+    w = torch.zeros(tiles * tile, in_features, dtype=torch.float32)
+    w[:out_features] = weight.float()
+    w = w.view(tiles * tile, groups, GROUP)
+    low = w.amin(dim=-1).half()
+    scale = ((w.amax(dim=-1) - low.float()) / 15.0).half()
+    _check_finite(scale, low)
+    divisor = torch.where(scale.float() > 0, scale.float(), torch.ones(()))
+    q = torch.round((w - low.float()[..., None]) / divisor[..., None]).clamp(0, 15)
+    q = torch.where(scale.float()[..., None] > 0, q, torch.zeros(())).to(torch.uint8)
+    # [t, o, g, b, half, j] -> byte (j) | (j + 4) << 4, laid out [t, g, b, o, j]
+    q = q.view(tiles, tile, groups, 4, 2, 4)
+    packed = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)
+    packed = packed.reshape(tiles, groups, 16 * tile)
+    scales = scale.view(tiles, tile, groups).transpose(1, 2).contiguous()
+    lows = low.view(tiles, tile, groups).transpose(1, 2).contiguous()
+    return torch.cat([packed, _bytes(scales), _bytes(lows)], dim=-1).contiguous()
+
+
+def pack8(weight: torch.Tensor, tile: int) -> torch.Tensor:
+    """[out, in] float -> the 8-bit layout of native.c (uint8, tiles x groups x 34*tile)."""
+    out_features, in_features = weight.shape
+    if in_features % GROUP:
+        raise ValueError(f"8-bit needs the input size ({in_features}) divisible by {GROUP}")
+    tiles, groups = _tiles(out_features, tile), in_features // GROUP
+    w = torch.zeros(tiles * tile, in_features, dtype=torch.float32)
+    w[:out_features] = weight.float()
+    w = w.view(tiles * tile, groups, GROUP)
+    scale = (w.abs().amax(dim=-1) / 127.0).half()
+    _check_finite(scale)
+    divisor = torch.where(scale.float() > 0, scale.float(), torch.ones(()))
+    q = torch.round(w / divisor[..., None]).clamp(-127, 127).to(torch.int8)
+    q = q.view(tiles, tile, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 32 * tile)
+    scales = scale.view(tiles, tile, groups).transpose(1, 2).contiguous()
+    return torch.cat([q.view(torch.uint8), _bytes(scales)], dim=-1).contiguous()
+
+
+def unpack(packed: torch.Tensor, bits: int, out_features: int, in_features: int) -> torch.Tensor:
+    """The float weights [out, in] a packed matrix stands for (for tests and the gate)."""
+    tiles, groups, width = packed.shape
+    tile = width // (20 if bits == 4 else 34)
+    if bits == 4:
+        nibbles = packed[..., : 16 * tile].view(tiles, groups, 4, tile, 4)
+        low, high = nibbles & 15, nibbles >> 4
+        q = torch.stack([low, high], dim=-2).permute(0, 3, 1, 2, 4, 5)  # t, o, g, b, half, j
+        q = q.reshape(tiles * tile, groups, GROUP).float()
+        scale = _halves(packed[..., 16 * tile : 18 * tile], tiles, tile, groups)
+        low_value = _halves(packed[..., 18 * tile :], tiles, tile, groups)
+        w = q * scale[..., None] + low_value[..., None]
+    else:
+        q = packed[..., : 32 * tile].contiguous().view(torch.int8).view(tiles, groups, 8, tile, 4)
+        q = q.permute(0, 3, 1, 2, 4).reshape(tiles * tile, groups, GROUP).float()
+        w = q * _halves(packed[..., 32 * tile :], tiles, tile, groups)[..., None]
+    return w.reshape(tiles * tile, in_features)[:out_features]
+
+
+def _halves(raw: torch.Tensor, tiles: int, tile: int, groups: int) -> torch.Tensor:
+    values = raw.contiguous().view(torch.float16).float()  # [t, g, o]
+    return values.transpose(1, 2).reshape(tiles * tile, groups)
+
+
+def _bytes(halves: torch.Tensor) -> torch.Tensor:
+    return halves.contiguous().view(torch.uint8)
+
+
+def _check_finite(*tensors: torch.Tensor) -> None:
+    for tensor in tensors:
+        if not torch.isfinite(tensor).all():
+            raise ValueError("a weight group's scale does not fit in fp16")
+
+
+class NativeProduct:
+    """y = x @ W.T with W packed at `bits` (4 or 8): a weight format's Projection."""
+
+    def __init__(self, weight: torch.Tensor, bits: int, library: Library | None = None) -> None:
+        if weight.device.type != "cpu":
+            raise ValueError("the native formats are CPU formats")
+        self.library = library or load()
+        out_features, in_features = weight.shape
+        pack = pack4 if bits == 4 else pack8
+        self.packed = pack(weight.detach(), self.library.tile)
+        self.bits = bits
+        self.out_features, self.in_features = out_features, in_features
+        self.mat = Mat(
+            out_features,
+            in_features,
+            in_features // GROUP,
+            self.packed.shape[0],
+            bits,
+            self.packed.data_ptr(),
+        )
+        self.nbytes = out_features * in_features * bits // 8 + (
+            out_features * (in_features // GROUP) * (4 if bits == 4 else 2)
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        y = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32)
+        self.library.matmul(self.mat, flat, y)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dense(self) -> torch.Tensor:
+        return unpack(self.packed, self.bits, self.out_features, self.in_features)
+
+
+class NativeModel:
+    """A runner's weights, norms, rotary tables and KV cache, as native.c's Model: one
+    call runs a whole decode step. Keeps every tensor it points at alive."""
+
+    def __init__(self, runner: Any) -> None:
+        layers = runner.layers
+        products = [layer.qkv for layer in layers] + [runner.lm_head]
+        if not all(isinstance(p, NativeProduct) for p in products):
+            raise ValueError("the fused step needs native products")
+        self.library: Library = runner.lm_head.library
+        if runner.head_dim % 16 or runner.head_dim > 512:
+            raise ValueError(f"head_dim {runner.head_dim}: the fused step needs 16..512 by 16")
+        count = len(layers)
+        self._mats = {
+            name: (Mat * count)(*(getattr(layer, name).mat for layer in layers))
+            for name in ("qkv", "o", "gate_up", "down")
+        }
+        self._norms = {
+            name: (ctypes.c_void_p * count)(*(getattr(layer, name).data_ptr() for layer in layers))
+            for name in ("input_norm", "post_norm")
+        }
+        self._keep = (runner.embed, runner.final_norm, runner.cos, runner.sin, runner.lm_head)
+        inter = layers[0].down.in_features
+        self.struct = ModelStruct(
+            hidden=runner.embed.shape[1],
+            heads=runner.heads,
+            kv_heads=runner.kv_heads,
+            head_dim=runner.head_dim,
+            inter=inter,
+            vocab=runner.vocab_size,
+            layers=count,
+            block_size=runner.block_size,
+            slots=runner.num_blocks * runner.block_size,
+            max_context=runner.max_context,
+            eps=runner.eps,
+            embed=runner.embed.data_ptr(),
+            final_norm=runner.final_norm.data_ptr(),
+            head=ctypes.pointer(runner.lm_head.mat),
+            input_norm=ctypes.cast(self._norms["input_norm"], ctypes.POINTER(ctypes.c_void_p)),
+            post_norm=ctypes.cast(self._norms["post_norm"], ctypes.POINTER(ctypes.c_void_p)),
+            qkv=ctypes.cast(self._mats["qkv"], ctypes.POINTER(Mat)),
+            o=ctypes.cast(self._mats["o"], ctypes.POINTER(Mat)),
+            gate_up=ctypes.cast(self._mats["gate_up"], ctypes.POINTER(Mat)),
+            down=ctypes.cast(self._mats["down"], ctypes.POINTER(Mat)),
+            k_cache=runner.k_cache.data_ptr(),
+            v_cache=runner.v_cache.data_ptr(),
+            cos=runner.cos.data_ptr(),
+            sin=runner.sin.data_ptr(),
+        )
+        self.vocab = runner.vocab_size
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        tables: torch.Tensor,
+        wanted: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens, positions [rows] (int64), tables [rows, width] block ids -> logits
+        [len(wanted), vocab] of the `wanted` rows (default: every row). native.c's
+        fp_forward: a decode step, or prefill chunks given as one row per token."""
+        rows = tokens.shape[0]
+        tokens = tokens.to(torch.int64).contiguous()
+        positions = positions.to(torch.int64).contiguous()
+        tables = tables.to(torch.int32).contiguous()
+        if wanted is None:
+            wanted = torch.arange(rows, dtype=torch.int32)
+        wanted = wanted.to(torch.int32).contiguous()
+        logits = torch.empty(wanted.shape[0], self.vocab, dtype=torch.float32)
+        failed = self.library.handle.fp_forward(
+            ctypes.byref(self.struct),
+            rows,
+            tokens.data_ptr(),
+            positions.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            wanted.data_ptr(),
+            wanted.shape[0],
+            logits.data_ptr(),
+        )
+        if failed:
+            raise MemoryError("native forward pass: out of memory")
+        return logits
