@@ -408,24 +408,36 @@ static inline int64_t slot_of(const int32_t *table, int block_size, int64_t posi
 }
 
 /* One row's attention at `position`: q [heads][dim] (scaled) over its keys and values
- * at positions 0..position, found in the cache at slots[0..position] -> out
- * [heads][dim]. */
-static void attend(const Model *md, int layer, const float *q, const int64_t *slots,
-                   int64_t position, float *scores, float *out) {
-    int dim = md->head_dim, group = md->heads / md->kv_heads;
-    int64_t count = position + 1;
+ * at positions 0..position, through its block table (slots: each position's cache
+ * slot) -> out [heads][dim].
+ *
+ * Keys are kept per block transposed, [dim][block_size] (fp_forward writes them so):
+ * a block's scores are then block_size independent sums over the dimensions, one per
+ * vector lane, in order, with no horizontal sum. Values stay [slot][dim]: each
+ * position's vector is added into the output, scaled. */
+static void attend(const Model *md, int layer, const float *q, const int32_t *table,
+                   const int64_t *slots, int64_t position, float *scores, float *out) {
+    int dim = md->head_dim, group = md->heads / md->kv_heads, bs = md->block_size;
+    int64_t count = position + 1, blocks = (count + bs - 1) / bs;
     size_t head_stride = (size_t)md->slots * dim;
     size_t layer_stride = (size_t)md->kv_heads * head_stride;
     for (int h = 0; h < md->kv_heads; h++) {
         const float *keys = md->k_cache + layer * layer_stride + h * head_stride;
         const float *values = md->v_cache + layer * layer_stride + h * head_stride;
-        for (int p = 0; p < count; p++) {
-            const float *k = keys + slots[p] * dim;
-            for (int j = 0; j < group; j++)
-                scores[j * count + p] = dot(q + (h * group + j) * dim, k, dim);
+        for (int j = 0; j < group; j++) {
+            const float *qj = q + (h * group + j) * dim;
+            float *s = scores + j * blocks * bs;
+            for (int64_t b = 0; b < blocks; b++) {
+                const float *kt = keys + (size_t)table[b] * bs * dim;
+                float acc[256];
+                for (int o = 0; o < bs; o++) acc[o] = 0.0f;
+                for (int i = 0; i < dim; i++)
+                    for (int o = 0; o < bs; o++) acc[o] += qj[i] * kt[i * bs + o];
+                memcpy(s + b * bs, acc, (size_t)bs * sizeof(float));
+            }
         }
         for (int j = 0; j < group; j++) {
-            float *s = scores + j * count;
+            float *s = scores + j * blocks * bs;
             float top = -INFINITY;
             for (int p = 0; p < count; p++) top = s[p] > top ? s[p] : top;
             for (int p = 0; p < count; p++) s[p] = exp_approx(s[p] - top);
@@ -471,7 +483,8 @@ int fp_forward(const Model *md, int32_t rows, const int64_t *tokens, const int64
     float *fused = malloc((size_t)rows * 2 * inter * sizeof(float) + (size_t)rows * qkv_size * sizeof(float));
     float *attn = malloc((size_t)rows * q_size * sizeof(float));
     float *out = malloc((size_t)rows * hidden * sizeof(float));
-    float *scores = malloc((size_t)group * longest * sizeof(float));
+    int64_t span = (longest + md->block_size - 1) / md->block_size * md->block_size;
+    float *scores = malloc((size_t)group * span * sizeof(float));
     int64_t *slots = malloc((size_t)rows * longest * sizeof(int64_t)); /* [rows][longest] */
     Act a;
     int ok = act_reserve(&a, rows, widest) && x && normed && fused && attn && out && scores && slots;
@@ -496,15 +509,19 @@ int fp_forward(const Model *md, int32_t rows, const int64_t *tokens, const int64
                 const float *cos = md->cos + pos * dim, *sin = md->sin + pos * dim;
                 for (int h = 0; h < md->heads + md->kv_heads; h++) rotate(f + h * dim, cos, sin, dim);
                 int64_t slot = slots[r * longest + pos];
+                int64_t block = slot / md->block_size, offset = slot % md->block_size;
                 for (int h = 0; h < md->kv_heads; h++) {
-                    size_t at = l * layer_stride + h * head_stride + slot * dim;
-                    memcpy(md->k_cache + at, f + q_size + h * dim, (size_t)dim * sizeof(float));
-                    memcpy(md->v_cache + at, f + q_size + kv_size + h * dim, (size_t)dim * sizeof(float));
+                    size_t at = l * layer_stride + h * head_stride;
+                    float *kt = md->k_cache + at + (size_t)block * md->block_size * dim;
+                    for (int i = 0; i < dim; i++) /* keys transposed per block (attend) */
+                        kt[i * md->block_size + offset] = f[q_size + h * dim + i];
+                    memcpy(md->v_cache + at + slot * dim, f + q_size + kv_size + h * dim,
+                           (size_t)dim * sizeof(float));
                 }
             }
             for (int r = 0; r < rows; r++)
-                attend(md, l, fused + (size_t)r * qkv_size, slots + r * longest, positions[r], scores,
-                       attn + (size_t)r * q_size);
+                attend(md, l, fused + (size_t)r * qkv_size, tables + (size_t)r * width,
+                       slots + r * longest, positions[r], scores, attn + (size_t)r * q_size);
             quantize(attn, rows, q_size, &a);
             product(&md->o[l], &a, out);
             for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += out[i];

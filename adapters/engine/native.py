@@ -333,7 +333,9 @@ class NativeProduct:
 
 class NativeModel:
     """A runner's weights, norms, rotary tables and KV cache, as native.c's Model: one
-    call runs a whole decode step. Keeps every tensor it points at alive."""
+    call runs a whole decode step. Keeps every tensor it points at alive. The runner's
+    key cache then holds each block's keys transposed ([dim][block_size], native.c's
+    attend): in this format only native.c reads or writes the cache."""
 
     def __init__(self, runner: Any) -> None:
         layers = runner.layers
@@ -343,6 +345,8 @@ class NativeModel:
         self.library: Library = runner.lm_head.library
         if runner.head_dim % 16 or runner.head_dim > 512:
             raise ValueError(f"head_dim {runner.head_dim}: the fused step needs 16..512 by 16")
+        if runner.block_size > 256:
+            raise ValueError(f"block size {runner.block_size}: the fused step takes up to 256")
         count = len(layers)
         self._mats = {
             name: (Mat * count)(*(getattr(layer, name).mat for layer in layers))
