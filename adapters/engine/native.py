@@ -148,7 +148,7 @@ def _load(wanted: str | None) -> Library:
     if platform.machine() not in ("x86_64", "AMD64"):
         raise NativeUnavailable(f"x86-64 kernels; this machine is {platform.machine()}")
     isa = pick_isa(cpu_flags(), wanted)
-    path = _build(isa)
+    path = build(isa)
     try:
         handle = ctypes.CDLL(str(path))
     except OSError as error:
@@ -179,7 +179,9 @@ def _compiler() -> str:
     raise NativeUnavailable("no C compiler (cc, gcc or clang) on PATH")
 
 
-def _build(isa: str) -> Path:
+def build(isa: str) -> Path:
+    """The compiled library for `isa`, from the cache or compiled now (whatever this CPU
+    has: an image build compiles every variant for the nodes it will run on)."""
     from adapters.engine.model import cache_root
 
     compiler = _compiler()
