@@ -219,19 +219,21 @@ def build(isa: str) -> Path:
     raise NativeUnavailable("no writable folder for the compiled kernels")
 
 
-def _tiles(rows: int, tile: int) -> int:
-    return -(-rows // tile)
+def _grouped(weight: torch.Tensor, tile: int, bits: int) -> tuple[torch.Tensor, int, int]:
+    """(weights [tiles * tile, groups, 32] in fp32, zero rows padding the last tile,
+    tiles, groups)."""
+    out_features, in_features = weight.shape
+    if in_features % GROUP:
+        raise ValueError(f"{bits}-bit needs the input size ({in_features}) divisible by {GROUP}")
+    tiles, groups = -(-out_features // tile), in_features // GROUP
+    w = torch.zeros(tiles * tile, in_features, dtype=torch.float32)
+    w[:out_features] = weight.float()
+    return w.view(tiles * tile, groups, GROUP), tiles, groups
 
 
 def pack4(weight: torch.Tensor, tile: int) -> torch.Tensor:
     """[out, in] float -> the 4-bit layout of native.c (uint8, tiles x groups x 20*tile)."""
-    out_features, in_features = weight.shape
-    if in_features % GROUP:
-        raise ValueError(f"4-bit needs the input size ({in_features}) divisible by {GROUP}")
-    tiles, groups = _tiles(out_features, tile), in_features // GROUP
-    w = torch.zeros(tiles * tile, in_features, dtype=torch.float32)
-    w[:out_features] = weight.float()
-    w = w.view(tiles * tile, groups, GROUP)
+    w, tiles, groups = _grouped(weight, tile, 4)
     low = w.amin(dim=-1).half()
     scale = ((w.amax(dim=-1) - low.float()) / 15.0).half()
     _check_finite(scale, low)
@@ -249,13 +251,7 @@ def pack4(weight: torch.Tensor, tile: int) -> torch.Tensor:
 
 def pack8(weight: torch.Tensor, tile: int) -> torch.Tensor:
     """[out, in] float -> the 8-bit layout of native.c (uint8, tiles x groups x 34*tile)."""
-    out_features, in_features = weight.shape
-    if in_features % GROUP:
-        raise ValueError(f"8-bit needs the input size ({in_features}) divisible by {GROUP}")
-    tiles, groups = _tiles(out_features, tile), in_features // GROUP
-    w = torch.zeros(tiles * tile, in_features, dtype=torch.float32)
-    w[:out_features] = weight.float()
-    w = w.view(tiles * tile, groups, GROUP)
+    w, tiles, groups = _grouped(weight, tile, 8)
     scale = (w.abs().amax(dim=-1) / 127.0).half()
     _check_finite(scale)
     divisor = torch.where(scale.float() > 0, scale.float(), torch.ones(()))
