@@ -178,3 +178,23 @@ def test_turned_off_or_without_a_compiler_the_format_is_unavailable(
     monkeypatch.delenv("CC", raising=False)
     with pytest.raises(NativeUnavailable, match="no C compiler"):
         native._compiler()
+
+
+def test_results_do_not_depend_on_the_thread_count() -> None:
+    """Products split by tiles and attention by (row, head): each output is still one
+    thread's whole, same-order sum."""
+    before = torch.get_num_threads()
+    try:
+        torch.manual_seed(11)
+        product = NativeProduct(torch.randn(300, 256) * 0.05, 4)
+        x = torch.randn(7, 256)
+        prompt = torch.tensor(PROMPTS[2])
+        products, passes = [], []
+        for threads in (1, 2, 3, 5):
+            torch.set_num_threads(threads)
+            products.append(product(x))
+            passes.append(_runner().prefill([0, 1], 0, prompt, True))
+        assert all(torch.equal(products[0], p) for p in products[1:])
+        assert all(torch.equal(passes[0], p) for p in passes[1:])
+    finally:
+        torch.set_num_threads(before)

@@ -29,6 +29,8 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -75,6 +77,118 @@ typedef struct {
 
 const char *fp_isa(void) { return FP_ISA; }
 int32_t fp_tile(void) { return TILE; }
+
+/* ---- threads ----------------------------------------------------------------------
+ * A call may use several threads: the caller and helpers started at first need. Work
+ * is split so that each output is still computed whole by one thread, in the same
+ * order (products: by tiles; attention: by row and key/value head), so results do
+ * not depend on the thread count. Between jobs a helper spins a little (a step's
+ * jobs come tens of microseconds apart), then sleeps on a condition variable. One
+ * caller at a time: a second concurrent call runs on its own thread alone. */
+
+#define MAX_THREADS 64
+#define SPIN 20000
+
+typedef void (*part_fn)(void *ctx, int part, int parts);
+
+static struct {
+    pthread_mutex_t use; /* held by a caller for its whole call */
+    pthread_mutex_t mu;
+    pthread_cond_t wake;
+    int helpers;
+    atomic_int generation; /* bumped for each job */
+    atomic_int pending;    /* helpers yet to finish the current job */
+    part_fn fn;
+    void *ctx;
+    int parts;
+} pool = {.use = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
+          .wake = PTHREAD_COND_INITIALIZER};
+
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+/* A forked child has none of the parent's helpers: it starts its own when it needs them. */
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool.use, NULL);
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pool.helpers = 0;
+}
+
+static void pool_register(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
+typedef struct {
+    int index, seen;
+} HelperStart;
+
+static void *helper_main(void *arg) {
+    HelperStart start = *(HelperStart *)arg;
+    free(arg);
+    int seen = start.seen;
+    for (;;) {
+        int spins = 0;
+        while (atomic_load_explicit(&pool.generation, memory_order_acquire) == seen) {
+            if (++spins < SPIN) {
+                _mm_pause();
+                continue;
+            }
+            pthread_mutex_lock(&pool.mu);
+            while (atomic_load_explicit(&pool.generation, memory_order_acquire) == seen)
+                pthread_cond_wait(&pool.wake, &pool.mu);
+            pthread_mutex_unlock(&pool.mu);
+        }
+        seen++;
+        if (start.index < pool.parts) pool.fn(pool.ctx, start.index, pool.parts);
+        atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_acq_rel);
+    }
+    return NULL;
+}
+
+/* Take the pool for a call wanting `threads` threads -> how many it may use (1: run
+ * alone; the pool is then not held). */
+static int pool_take(int threads) {
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads <= 1) return 1;
+    pthread_once(&pool_once, pool_register);
+    if (pthread_mutex_trylock(&pool.use) != 0) return 1;
+    while (pool.helpers < threads - 1) {
+        HelperStart *start = malloc(sizeof *start);
+        pthread_t thread;
+        if (!start) break;
+        start->index = pool.helpers + 1;
+        start->seen = atomic_load(&pool.generation);
+        if (pthread_create(&thread, NULL, helper_main, start) != 0) {
+            free(start);
+            break;
+        }
+        pthread_detach(thread);
+        pool.helpers++;
+    }
+    int usable = pool.helpers + 1 < threads ? pool.helpers + 1 : threads;
+    if (usable <= 1) pthread_mutex_unlock(&pool.use);
+    return usable;
+}
+
+static void pool_give(int threads) {
+    if (threads > 1) pthread_mutex_unlock(&pool.use);
+}
+
+/* fn(ctx, part, parts) for every part, part 0 on the caller; returns when all are done. */
+static void run_parts(part_fn fn, void *ctx, int parts) {
+    if (parts <= 1) {
+        fn(ctx, 0, 1);
+        return;
+    }
+    pool.fn = fn;
+    pool.ctx = ctx;
+    pool.parts = parts;
+    atomic_store_explicit(&pool.pending, pool.helpers, memory_order_relaxed);
+    pthread_mutex_lock(&pool.mu);
+    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.mu);
+    fn(ctx, 0, parts);
+    while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0) _mm_pause();
+}
 
 /* ---- activation quantization ---------------------------------------------------- */
 
@@ -289,14 +403,14 @@ DEFINE_Q8(6)
 
 typedef void (*rows_fn)(const Mat *, const Act *, int, float *, int, int);
 
-static void product(const Mat *m, const Act *a, float *y) {
+/* Tiles t0..t1 of m for every row of a, a band of tiles at a time: with many rows (a
+ * prefill) the band's weights stay in cache while the rows pass. */
+static void product_tiles(const Mat *m, const Act *a, float *y, int t0, int t1) {
     static const rows_fn q4[] = {0, q4_rows_1, q4_rows_2, q4_rows_3};
     static const rows_fn q8[] = {0, q8_rows_1, q8_rows_2, q8_rows_3};
-    /* A band of tiles at a time, every row through it: with many rows (a prefill) the
-     * band's weights stay in cache while the rows pass. */
     const int band = 8;
-    for (int t0 = 0; t0 < m->tiles; t0 += band) {
-        int t1 = t0 + band < m->tiles ? t0 + band : m->tiles;
+    for (int b0 = t0; b0 < t1; b0 += band) {
+        int b1 = b0 + band < t1 ? b0 + band : t1;
         int r = 0;
         while (r < a->rows) {
             int left = a->rows - r;
@@ -313,10 +427,27 @@ static void product(const Mat *m, const Act *a, float *y) {
                 take = left > 3 ? 3 : left;
                 fn = m->bits == 4 ? q4[take] : q8[take];
             }
-            fn(m, a, r, y, t0, t1);
+            fn(m, a, r, y, b0, b1);
             r += take;
         }
     }
+}
+
+typedef struct {
+    const Mat *m;
+    const Act *a;
+    float *y;
+} ProductJob;
+
+static void product_part(void *ctx, int part, int parts) {
+    const ProductJob *job = ctx;
+    int tiles = job->m->tiles;
+    product_tiles(job->m, job->a, job->y, tiles * part / parts, tiles * (part + 1) / parts);
+}
+
+static void product(const Mat *m, const Act *a, float *y, int threads) {
+    ProductJob job = {m, a, y};
+    run_parts(product_part, &job, threads < m->tiles ? threads : m->tiles);
 }
 
 /* ---- activation buffers ----------------------------------------------------------- */
@@ -339,15 +470,18 @@ static void act_free(Act *a) {
     free(a->csum);
 }
 
-/* y [rows][out] = x [rows][in] through m. Returns 0, or -1 when out of memory. */
-int fp_matmul(const Mat *m, const float *x, int32_t rows, float *y) {
+/* y [rows][out] = x [rows][in] through m, on up to `threads` threads. Returns 0, or -1
+ * when out of memory. */
+int fp_matmul(const Mat *m, const float *x, int32_t rows, float *y, int32_t threads) {
     Act a;
     if (!act_reserve(&a, rows, m->in)) {
         act_free(&a);
         return -1;
     }
     quantize(x, rows, m->in, &a);
-    product(m, &a, y);
+    threads = pool_take(threads);
+    product(m, &a, y, threads);
+    pool_give(threads);
     act_free(&a);
     return 0;
 }
@@ -407,56 +541,78 @@ static inline int64_t slot_of(const int32_t *table, int block_size, int64_t posi
     return (int64_t)table[position / block_size] * block_size + position % block_size;
 }
 
-/* One row's attention at `position`: q [heads][dim] (scaled) over its keys and values
- * at positions 0..position, through its block table (slots: each position's cache
- * slot) -> out [heads][dim].
+/* One row's attention at `position` for the query heads of key/value head h: q
+ * [heads][dim] (scaled) over its keys and values at positions 0..position, through its
+ * block table (slots: each position's cache slot) -> out [heads][dim], those heads.
  *
  * Keys are kept per block transposed, [dim][block_size] (fp_forward writes them so):
  * a block's scores are then block_size independent sums over the dimensions, one per
  * vector lane, in order, with no horizontal sum. Values stay [slot][dim]: each
  * position's vector is added into the output, scaled. */
-static void attend(const Model *md, int layer, const float *q, const int32_t *table,
-                   const int64_t *slots, int64_t position, float *scores, float *out) {
+static void attend_head(const Model *md, int layer, int h, const float *q, const int32_t *table,
+                        const int64_t *slots, int64_t position, float *scores, float *out) {
     int dim = md->head_dim, group = md->heads / md->kv_heads, bs = md->block_size;
     int64_t count = position + 1, blocks = (count + bs - 1) / bs;
     size_t head_stride = (size_t)md->slots * dim;
-    size_t layer_stride = (size_t)md->kv_heads * head_stride;
-    for (int h = 0; h < md->kv_heads; h++) {
-        const float *keys = md->k_cache + layer * layer_stride + h * head_stride;
-        const float *values = md->v_cache + layer * layer_stride + h * head_stride;
-        for (int j = 0; j < group; j++) {
-            const float *qj = q + (h * group + j) * dim;
-            float *s = scores + j * blocks * bs;
-            for (int64_t b = 0; b < blocks; b++) {
-                const float *kt = keys + (size_t)table[b] * bs * dim;
-                float acc[256];
-                for (int o = 0; o < bs; o++) acc[o] = 0.0f;
-                for (int i = 0; i < dim; i++)
-                    for (int o = 0; o < bs; o++) acc[o] += qj[i] * kt[i * bs + o];
-                memcpy(s + b * bs, acc, (size_t)bs * sizeof(float));
-            }
+    size_t at = (size_t)layer * md->kv_heads * head_stride + h * head_stride;
+    const float *keys = md->k_cache + at, *values = md->v_cache + at;
+    for (int j = 0; j < group; j++) {
+        const float *qj = q + (h * group + j) * dim;
+        float *s = scores + j * blocks * bs;
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *kt = keys + (size_t)table[b] * bs * dim;
+            float acc[256];
+            for (int o = 0; o < bs; o++) acc[o] = 0.0f;
+            for (int i = 0; i < dim; i++)
+                for (int o = 0; o < bs; o++) acc[o] += qj[i] * kt[i * bs + o];
+            memcpy(s + b * bs, acc, (size_t)bs * sizeof(float));
         }
-        for (int j = 0; j < group; j++) {
-            float *s = scores + j * blocks * bs;
-            float top = -INFINITY;
-            for (int p = 0; p < count; p++) top = s[p] > top ? s[p] : top;
-            for (int p = 0; p < count; p++) s[p] = exp_approx(s[p] - top);
-            float part[16] = {0};
-            int p = 0;
-            for (; p + 16 <= count; p += 16)
-                for (int i = 0; i < 16; i++) part[i] += s[p + i];
-            for (; p < count; p++) part[0] += s[p];
-            float inv = 1.0f / sum16(part);
-            float acc[512]; /* local: the compiler sees it alias nothing, and vectorizes */
-            for (int i = 0; i < dim; i++) acc[i] = 0.0f;
-            for (p = 0; p < count; p++) {
-                const float *v = values + slots[p] * dim;
-                float w = s[p] * inv;
-                for (int i = 0; i < dim; i += 16)
-                    for (int k = 0; k < 16; k++) acc[i + k] += w * v[i + k];
-            }
-            memcpy(out + (h * group + j) * dim, acc, (size_t)dim * sizeof(float));
+    }
+    for (int j = 0; j < group; j++) {
+        float *s = scores + j * blocks * bs;
+        float top = -INFINITY;
+        for (int p = 0; p < count; p++) top = s[p] > top ? s[p] : top;
+        for (int p = 0; p < count; p++) s[p] = exp_approx(s[p] - top);
+        float part[16] = {0};
+        int p = 0;
+        for (; p + 16 <= count; p += 16)
+            for (int i = 0; i < 16; i++) part[i] += s[p + i];
+        for (; p < count; p++) part[0] += s[p];
+        float inv = 1.0f / sum16(part);
+        float acc[512]; /* local: the compiler sees it alias nothing, and vectorizes */
+        for (int i = 0; i < dim; i++) acc[i] = 0.0f;
+        for (p = 0; p < count; p++) {
+            const float *v = values + slots[p] * dim;
+            float w = s[p] * inv;
+            for (int i = 0; i < dim; i += 16)
+                for (int k = 0; k < 16; k++) acc[i + k] += w * v[i + k];
         }
+        memcpy(out + (h * group + j) * dim, acc, (size_t)dim * sizeof(float));
+    }
+}
+
+typedef struct {
+    const Model *md;
+    int layer, rows, width, qkv_size, q_size;
+    int64_t longest, span;
+    const float *fused;
+    const int32_t *tables;
+    const int64_t *positions, *slots;
+    float *scores; /* [parts][group * span] */
+    float *attn;
+} AttendJob;
+
+/* Items (row, key/value head), a contiguous share of them per part. */
+static void attend_part(void *ctx, int part, int parts) {
+    const AttendJob *job = ctx;
+    int items = job->rows * job->md->kv_heads;
+    int group = job->md->heads / job->md->kv_heads;
+    float *scores = job->scores + (size_t)part * group * job->span;
+    for (int item = items * part / parts; item < items * (part + 1) / parts; item++) {
+        int r = item / job->md->kv_heads, h = item % job->md->kv_heads;
+        attend_head(job->md, job->layer, h, job->fused + (size_t)r * job->qkv_size,
+                    job->tables + (size_t)r * job->width, job->slots + r * job->longest,
+                    job->positions[r], scores, job->attn + (size_t)r * job->q_size);
     }
 }
 
@@ -470,7 +626,7 @@ static inline float silu(float v) { return v / (1.0f + exp_approx(-v)); }
  * by row. Returns 0, or -1 when out of memory. */
 int fp_forward(const Model *md, int32_t rows, const int64_t *tokens, const int64_t *positions,
                const int32_t *tables, int32_t width, const int32_t *wanted, int32_t count,
-               float *logits) {
+               float *logits, int32_t threads) {
     int hidden = md->hidden, dim = md->head_dim, inter = md->inter;
     int q_size = md->heads * dim, kv_size = md->kv_heads * dim;
     int qkv_size = q_size + 2 * kv_size;
@@ -484,7 +640,8 @@ int fp_forward(const Model *md, int32_t rows, const int64_t *tokens, const int64
     float *attn = malloc((size_t)rows * q_size * sizeof(float));
     float *out = malloc((size_t)rows * hidden * sizeof(float));
     int64_t span = (longest + md->block_size - 1) / md->block_size * md->block_size;
-    float *scores = malloc((size_t)group * span * sizeof(float));
+    threads = pool_take(threads);
+    float *scores = malloc((size_t)threads * group * span * sizeof(float));
     int64_t *slots = malloc((size_t)rows * longest * sizeof(int64_t)); /* [rows][longest] */
     Act a;
     int ok = act_reserve(&a, rows, widest) && x && normed && fused && attn && out && scores && slots;
@@ -502,7 +659,7 @@ int fp_forward(const Model *md, int32_t rows, const int64_t *tokens, const int64
                 rms_norm(x + (size_t)r * hidden, md->input_norm[l], hidden, md->eps,
                          normed + (size_t)r * hidden);
             quantize(normed, rows, hidden, &a);
-            product(&md->qkv[l], &a, fused);
+            product(&md->qkv[l], &a, fused, threads);
             for (int r = 0; r < rows; r++) {
                 float *f = fused + (size_t)r * qkv_size;
                 int64_t pos = positions[r];
@@ -519,24 +676,25 @@ int fp_forward(const Model *md, int32_t rows, const int64_t *tokens, const int64
                            (size_t)dim * sizeof(float));
                 }
             }
-            for (int r = 0; r < rows; r++)
-                attend(md, l, fused + (size_t)r * qkv_size, tables + (size_t)r * width,
-                       slots + r * longest, positions[r], scores, attn + (size_t)r * q_size);
+            AttendJob job = {md,     l,         rows,      width,  qkv_size, q_size, longest,
+                             span,   fused,     tables,    positions, slots, scores, attn};
+            int items = rows * md->kv_heads;
+            run_parts(attend_part, &job, threads < items ? threads : items);
             quantize(attn, rows, q_size, &a);
-            product(&md->o[l], &a, out);
+            product(&md->o[l], &a, out, threads);
             for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += out[i];
             for (int r = 0; r < rows; r++)
                 rms_norm(x + (size_t)r * hidden, md->post_norm[l], hidden, md->eps,
                          normed + (size_t)r * hidden);
             quantize(normed, rows, hidden, &a);
-            product(&md->gate_up[l], &a, fused);
+            product(&md->gate_up[l], &a, fused, threads);
             for (int r = 0; r < rows; r++) {
                 const float *gu = fused + (size_t)r * 2 * inter;
                 float *h = normed + (size_t)r * inter;
                 for (int i = 0; i < inter; i++) h[i] = silu(gu[i]) * gu[inter + i];
             }
             quantize(normed, rows, inter, &a);
-            product(&md->down[l], &a, out);
+            product(&md->down[l], &a, out, threads);
             for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += out[i];
         }
         for (int k = 0; k < count; k++)
@@ -544,7 +702,7 @@ int fp_forward(const Model *md, int32_t rows, const int64_t *tokens, const int64
                      normed + (size_t)k * hidden);
         if (count > 0) {
             quantize(normed, count, hidden, &a);
-            product(md->head, &a, logits);
+            product(md->head, &a, logits, threads);
         }
     }
     act_free(&a);
@@ -555,5 +713,6 @@ int fp_forward(const Model *md, int32_t rows, const int64_t *tokens, const int64
     free(out);
     free(scores);
     free(slots);
+    pool_give(threads);
     return ok ? 0 : -1;
 }

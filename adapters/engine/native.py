@@ -106,7 +106,10 @@ class Library:
     handle: Any  # ctypes.CDLL
 
     def matmul(self, mat: Mat, x: torch.Tensor, y: torch.Tensor) -> None:
-        if self.handle.fp_matmul(ctypes.byref(mat), x.data_ptr(), x.shape[0], y.data_ptr()):
+        threads = torch.get_num_threads()
+        if self.handle.fp_matmul(
+            ctypes.byref(mat), x.data_ptr(), x.shape[0], y.data_ptr(), threads
+        ):
             raise MemoryError("native product: out of memory")
 
 
@@ -156,7 +159,13 @@ def _load(wanted: str | None) -> Library:
     handle.fp_isa.restype = ctypes.c_char_p
     handle.fp_tile.restype = ctypes.c_int32
     handle.fp_matmul.restype = ctypes.c_int
-    handle.fp_matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p]
+    handle.fp_matmul.argtypes = [
+        ctypes.c_void_p,  # matrix
+        ctypes.c_void_p,  # x
+        ctypes.c_int32,  # rows
+        ctypes.c_void_p,  # y
+        ctypes.c_int32,  # threads
+    ]
     handle.fp_forward.restype = ctypes.c_int
     handle.fp_forward.argtypes = [
         ctypes.c_void_p,  # model
@@ -168,6 +177,7 @@ def _load(wanted: str | None) -> Library:
         ctypes.c_void_p,  # wanted rows int32
         ctypes.c_int32,  # how many
         ctypes.c_void_p,  # logits
+        ctypes.c_int32,  # threads
     ]
     return Library(isa, int(handle.fp_tile()), path, handle)
 
@@ -186,7 +196,8 @@ def build(isa: str) -> Path:
 
     compiler = _compiler()
     _, machine_flags, define = ISAS[isa]
-    flags = ["-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
+    flags = ["-O3", "-std=c11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
+    flags += ["-fno-math-errno"]
     flags += ["-fno-trapping-math", f"-D{define}"]
     flags += machine_flags
     try:
@@ -412,6 +423,7 @@ class NativeModel:
             wanted.data_ptr(),
             wanted.shape[0],
             logits.data_ptr(),
+            torch.get_num_threads(),
         )
         if failed:
             raise MemoryError("native forward pass: out of memory")
