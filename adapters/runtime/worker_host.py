@@ -344,13 +344,17 @@ def engine_decoder(
     """The torch engine for a loaded model: `slots` sequences of at most max_context
     tokens (capped at the model's own) sharing a KV cache of kv_cache_tokens positions
     (None: the engine's default), stepping on its own thread. The torch threads are
-    set first, so that choosing the weight format measures what serving will run."""
+    set first, so that choosing the weight format measures what serving will run;
+    threads=None and the native format chosen: every core (default_threads says why
+    torch's formats leave one free)."""
     import torch
 
     from adapters.engine.engine import DEFAULT_KV_CACHE_TOKENS, Engine
+    from adapters.engine.model import say
     from core.batching import BatchLimits
 
     device = next(loaded.model.parameters()).device.type
+    chosen_threads = threads
     if threads is None:
         threads = default_threads(device)
     if threads is not None:
@@ -363,6 +367,12 @@ def engine_decoder(
         prefix_caching=prefix_caching,
         kv_cache_tokens=kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS,
     )
+    if chosen_threads is None and engine.runner.format == "w4a16":
+        # The native kernels lose little to the event loop's preemption (a handful of
+        # thread joins a layer, not one per torch op): on 2 cores, serving with both
+        # was 1.5-1.6x as fast as with one at 1, 8 and 16 streams (engine.md).
+        threads = os.cpu_count() or 1
+        say(f"weights w4a16: the engine takes all {threads} CPU threads")
     return EngineDecoder(engine, threads)
 
 
