@@ -161,15 +161,16 @@ async def run_level(
     return level
 
 
-def engine_only(load: ServeLoad) -> float:
-    """The same greedy requests on the engine alone (no HTTP, no router): tokens/s."""
+def engine_only(load: ServeLoad) -> tuple[float, int]:
+    """The same greedy requests on the engine alone (no HTTP, no router), on the threads
+    the server's engine had: (tokens/s, those threads)."""
     import torch
 
     from adapters.engine.engine import Engine
     from adapters.engine.model import load_model
     from adapters.openai.models import ChatModel
     from adapters.openai.normalize import ChatMessage
-    from adapters.runtime.worker_host import default_threads
+    from adapters.runtime.worker_host import default_threads, serving_threads
     from core.batching import BatchLimits
     from core.protocol import Assignment, Decoded, DecodeDone, GenerationRequest, Sampling
 
@@ -179,6 +180,9 @@ def engine_only(load: ServeLoad) -> float:
     threads = load.threads or default_threads(device) or torch.get_num_threads()
     torch.set_num_threads(threads)
     engine = Engine(loaded, BatchLimits(max_seqs=load.top, max_context=2048), weights="auto")
+    if not load.threads:  # as the server goes on after choosing
+        threads = serving_threads(device, engine.runner.format) or threads
+        torch.set_num_threads(threads)
     chat = ChatModel("bench", loaded.tokenizer, 2048)  # the server's own chat tokenizing
     pending = []
     for i in range(load.top * load.rounds):
@@ -201,7 +205,7 @@ def engine_only(load: ServeLoad) -> float:
                 produced += 1
             elif isinstance(event, DecodeDone):
                 start_next()
-    return produced / (time.perf_counter() - began)
+    return produced / (time.perf_counter() - began), threads
 
 
 def main(load: ServeLoad) -> int:
@@ -213,10 +217,10 @@ def main(load: ServeLoad) -> int:
         report(load, measure_running(load, load.url), [], None)
         return 0
     served = measure_fencepost(load, logs)
-    engine_rate = None if load.fake else engine_only(load)
+    engine_rate, threads = (None, None) if load.fake else engine_only(load)
     base_rows = run_baselines(load, logs) if load.baselines and not load.fake else []
     if load.peer_llama_cpp and not load.fake:
-        base_rows += llama_cpp_rows(load, logs)
+        base_rows += llama_cpp_rows(load, logs, threads)
     report(load, served, base_rows, engine_rate)
     return 0
 
@@ -309,7 +313,7 @@ def peer_rows(
     return rows
 
 
-def llama_cpp_rows(load: ServeLoad, logs: Path) -> list[Level]:
+def llama_cpp_rows(load: ServeLoad, logs: Path, threads: int | None) -> list[Level]:
     """llama-cpp-python's OpenAI server, started as its docs say, on the GGUF file fencepost
     serves (the default model's Q4_1), the same load at every level. It streams one
     token per chunk and no usage, so its tokens are its content chunks."""
@@ -320,7 +324,8 @@ def llama_cpp_rows(load: ServeLoad, logs: Path) -> list[Level]:
         print("  llama-cpp-python: needs a .gguf model")
         return []
     port = free_port()
-    threads = load.threads or max(1, (os.cpu_count() or 2) - 1)  # as fencepost serve's default
+    # as many threads as fencepost's engine had (given, or its default for the format it chose)
+    threads = load.threads or threads or max(1, (os.cpu_count() or 2) - 1)
     command = [load.peer_llama_cpp or sys.executable, "-m", "llama_cpp.server",
                "--model", str(gguf), "--model_alias", "bench", "--host", "127.0.0.1",
                "--port", str(port), "--n_ctx", "2048", "--n_threads", str(threads),

@@ -331,6 +331,16 @@ def default_threads(device_type: str) -> int | None:
     return max(1, (os.cpu_count() or 2) - 1)
 
 
+def serving_threads(device_type: str, weights: str) -> int | None:
+    """The engine's threads when serving in the weight format `weights` and none were
+    given: every core for the native format, whose threads meet a handful of times a
+    layer and lose little to the event loop (engine.md: 1.5-1.6x over one thread on 2
+    cores); default_threads for torch's formats."""
+    if device_type == "cpu" and weights == "w4a16":
+        return os.cpu_count() or 1
+    return default_threads(device_type)
+
+
 def engine_decoder(
     loaded: LoadedModel,
     slots: int,
@@ -368,10 +378,7 @@ def engine_decoder(
         kv_cache_tokens=kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS,
     )
     if chosen_threads is None and engine.runner.format == "w4a16":
-        # The native kernels lose little to the event loop's preemption (a handful of
-        # thread joins a layer, not one per torch op): on 2 cores, serving with both
-        # was 1.5-1.6x as fast as with one at 1, 8 and 16 streams (engine.md).
-        threads = os.cpu_count() or 1
+        threads = serving_threads(device, "w4a16")
         say(f"weights w4a16: the engine takes all {threads} CPU threads")
     return EngineDecoder(engine, threads)
 
