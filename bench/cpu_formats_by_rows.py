@@ -3,9 +3,13 @@
 For the default model's layer shapes (SmolLM2-135M: hidden 576, MLP 1536, 9
 query and 3 key/value heads of 64), the time of one decode step's products
 over all 30 layers, per format, at 1, 4, 8, 16 and 32 rows, random weights,
-bf16 activations as the engine runs them. The engine keeps one format per
-process (chosen at start by speed and the quality gate); this shows where
-another format would be faster at a larger batch, and by how much. Run:
+activations as the engine hands them over (bf16; w4a16 takes fp32 and
+quantizes them itself, its products on as many threads as --threads). The
+weights are one layer's, timed repeatedly, so they sit in cache: the
+figures are the kernels' arithmetic, not the memory traffic of a real step.
+The engine keeps one format per process (chosen at start by speed and the
+quality gate); this shows where another format would be faster at a larger
+batch, and by how much. Run:
 
     python bench/cpu_formats_by_rows.py [--threads N] [--rows 1,4,8,16,32]
 """
@@ -26,7 +30,7 @@ SHAPES = {  # [out, in] of each product of one layer
     "gate_up": (2 * 1536, 576),
     "down": (576, 1536),
 }
-FORMATS = ("bf16", "int8", "int4")
+FORMATS = ("bf16", "int8", "int4", "w4a16")
 
 
 def step_ms(fmt: str, rows: int, repeats: int) -> float:
