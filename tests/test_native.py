@@ -198,3 +198,19 @@ def test_results_do_not_depend_on_the_thread_count() -> None:
         assert all(torch.equal(passes[0], p) for p in passes[1:])
     finally:
         torch.set_num_threads(before)
+
+
+def test_ids_the_c_code_would_read_out_of_bounds_are_refused_first() -> None:
+    runner = _runner(blocks=4)
+    assert runner._native is not None
+    tables = torch.tensor([[0, 1]])
+    for tokens, positions, table in (
+        (torch.tensor([97]), torch.tensor([3]), tables),  # vocabulary is 97
+        (torch.tensor([-1]), torch.tensor([3]), tables),
+        (torch.tensor([5]), torch.tensor([128]), tables),  # context is 128
+        (torch.tensor([5]), torch.tensor([3]), torch.tensor([[0, 4]])),  # pool is 4 blocks
+        (torch.tensor([5]), torch.tensor([40]), tables),  # two blocks cover 32 positions
+    ):
+        with pytest.raises(IndexError):
+            runner._native.forward(tokens, positions, table)
+    assert runner._native.forward(torch.tensor([5]), torch.tensor([3]), tables).shape == (1, 97)

@@ -394,6 +394,9 @@ class NativeModel:
             sin=runner.sin.data_ptr(),
         )
         self.vocab = runner.vocab_size
+        self.max_context = runner.max_context
+        self.blocks = runner.num_blocks
+        self.block_size = runner.block_size
 
     def forward(
         self,
@@ -409,6 +412,15 @@ class NativeModel:
         tokens = tokens.to(torch.int64).contiguous()
         positions = positions.to(torch.int64).contiguous()
         tables = tables.to(torch.int32).contiguous()
+        # C indexes with these unchecked: what torch would refuse is refused here
+        if rows and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab):
+            raise IndexError(f"a token id is outside the vocabulary of {self.vocab}")
+        if rows and (int(positions.min()) < 0 or int(positions.max()) >= self.max_context):
+            raise IndexError(f"a position is outside the context of {self.max_context}")
+        if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= self.blocks):
+            raise IndexError(f"a block id is outside the pool of {self.blocks}")
+        if rows and tables.shape[1] * self.block_size <= int(positions.max()):
+            raise IndexError("a block table is too short for its row's position")
         if wanted is None:
             wanted = torch.arange(rows, dtype=torch.int32)
         wanted = wanted.to(torch.int32).contiguous()
