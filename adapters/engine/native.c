@@ -267,8 +267,10 @@ typedef __m512i vi;
 #define VF_MUL(a, b) _mm512_mul_ps(a, b)
 #define VF_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VF_HALF(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
-/* u8 x s8, four products summed per 32-bit lane, added to acc */
+/* u8 x s8, four products summed per 32-bit lane, added to acc; U4_TO_32 turns a
+ * group's sums into 32-bit lanes (here they already are) */
 #define DOT_U4(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
+#define U4_TO_32(acc) (acc)
 /* signed 8-bit weights: shifted to unsigned once per load (w + 128), and the extra
  * 128 * sum(x) taken off per group (S8_BIASED) */
 #define PREP_S8(w) _mm512_xor_si512(w, VI_SET1B((char)0x80))
@@ -298,9 +300,10 @@ typedef __m256i vi;
 #define VF_MUL(a, b) _mm256_mul_ps(a, b)
 #define VF_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VF_HALF(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
-/* u8 x s8: pairs summed to 16 bits (at most 2 * 15 * 127, no saturation), then to 32 */
-#define DOT_U4(acc, w, x) \
-    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)))
+/* u8 x s8: pairs summed in 16-bit lanes (at most 2 * 15 * 127 a pair, so a group's
+ * eight pairs stay within 30,480, no saturation), widened to 32 bits once a group */
+#define DOT_U4(acc, w, x) _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x))
+#define U4_TO_32(acc) _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
 /* s8 x s8 as |w| times x with w's sign: at most 2 * 128 * 127, within 16 bits */
 #define PREP_S8(w) _mm256_sign_epi8(w, w)
 #define DOT_S8(acc, u, w, x)                                                              \
@@ -348,7 +351,8 @@ static inline void vf_store(float *y, vf v, int n) {
                 for (int r = 0; r < RB; r++) {                                             \
                     int at = (r0 + r) * groups + g;                                        \
                     vf s = VF_MUL(scale, VF_SET1(a->d[at]));                               \
-                    acc[r] = VF_FMA(VF_CVT(VI_JOIN(high_sum[r], low_sum[r])), s, acc[r]);  \
+                    vi sum = VI_JOIN(U4_TO_32(high_sum[r]), U4_TO_32(low_sum[r]));         \
+                    acc[r] = VF_FMA(VF_CVT(sum), s, acc[r]);                               \
                     acc[r] = VF_FMA(minimum, VF_SET1(a->dsum[at]), acc[r]);                \
                 }                                                                          \
             }                                                                              \
