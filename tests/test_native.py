@@ -214,3 +214,26 @@ def test_ids_the_c_code_would_read_out_of_bounds_are_refused_first() -> None:
         with pytest.raises(IndexError):
             runner._native.forward(tokens, positions, table)
     assert runner._native.forward(torch.tensor([5]), torch.tensor([3]), tables).shape == (1, 97)
+
+
+def test_a_model_whose_shapes_the_fused_pass_cannot_take_is_left_to_torchs_formats() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from adapters.engine.choose import working_formats
+    from adapters.engine.native import shape_problem
+
+    assert shape_problem(tiny_llama().config) is None
+    config = LlamaConfig(
+        vocab_size=50,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=12,  # head_dim 8
+        num_key_value_heads=4,
+    )
+    assert "head_dim 8" in (shape_problem(config) or "")
+    assert "block size" in (shape_problem(tiny_llama().config, block_size=512) or "")
+    odd = LlamaForCausalLM(config).eval()
+    assert "w4a16" not in working_formats(torch.device("cpu"), odd)
+    with pytest.raises(ValueError, match="head_dim 8"):
+        LlamaRunner(odd, 4, 16, 32, "w4a16")

@@ -44,7 +44,7 @@ def main(model_path: str | None, tokens: int, generate: int, threads: int | None
     if threads is not None:
         torch.set_num_threads(threads)
     loaded = load_model(model_path)
-    formats = working_formats(next(loaded.model.parameters()).device)
+    formats = working_formats(next(loaded.model.parameters()).device, loaded.model)
     print(
         f"weight formats on {loaded.name}: torch kernels "
         f"{torch.backends.cpu.get_cpu_capability()}, CPU flags {' '.join(cpu_flags())}, "

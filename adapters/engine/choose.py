@@ -55,19 +55,22 @@ def cpu_flags() -> list[str]:
     return [flag for flag in wanted if flag in present]
 
 
-def native_status() -> str:
+def native_status(model: Any = None) -> str:
     """One line for the log: which native kernels were built here, or why none."""
-    from adapters.engine.native import NativeUnavailable, load
+    from adapters.engine.native import NativeUnavailable, load, shape_problem
 
     try:
         library = load()
     except NativeUnavailable as error:
         return f"native kernels (w4a16): not available: {error}"
-    return f"native kernels (w4a16): {library.isa}, {library.tile}-row tiles, {library.path}"
+    problem = shape_problem(model.config) if model is not None else None
+    unfit = f"; not for this model: {problem}" if problem else ""
+    return f"native kernels (w4a16): {library.isa}, {library.tile}-row tiles, {library.path}{unfit}"
 
 
-def working_formats(device: torch.device) -> list[str]:
-    """Formats whose kernels run here and agree with fp32 on a small product."""
+def working_formats(device: torch.device, model: Any = None) -> list[str]:
+    """Formats whose kernels run here and agree with fp32 on a small product (and, given
+    a model, whose fused pass takes its shapes: the native format's)."""
     if device.type != "cpu":
         return ["bf16"]
     generator = torch.Generator().manual_seed(0)
@@ -83,6 +86,11 @@ def working_formats(device: torch.device) -> list[str]:
         error = float((got - exact).norm() / exact.norm())
         if error < 0.25:  # int4 of this random data errs 8%; a broken kernel errs ~100%
             found.append(fmt)
+    if model is not None and "w4a16" in found:
+        from adapters.engine.native import shape_problem
+
+        if shape_problem(model.config):
+            found.remove("w4a16")
     return found
 
 
@@ -113,9 +121,9 @@ def choose(loaded: LoadedModel, rows: int, say: Say) -> Choice:
     from adapters.engine.quality import GATE, passes, perplexities
 
     capability = torch.backends.cpu.get_cpu_capability()
-    working = working_formats(device)
+    working = working_formats(device, loaded.model)
     say(f"CPU: torch kernels {capability}; flags {' '.join(cpu_flags()) or 'none of note'}")
-    say(native_status())
+    say(native_status(loaded.model))
     quality = perplexities(loaded, [f for f in working if f != "fp32"], GATE_TOKENS, say)
     passing = [f for f in working if passes(quality, f)]
     one = {fmt: decode_step_s(loaded.model, fmt, 1) for fmt in passing}

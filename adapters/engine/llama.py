@@ -122,6 +122,7 @@ class LlamaRunner:
         if weights not in FORMATS:
             raise ValueError(f"unknown weight format {weights!r}; one of {', '.join(FORMATS)}")
         config = model.config
+        self.model_config = config
         self.format = weights
         self.device = next(model.parameters()).device
         self.dtype = activation_dtype(weights)

@@ -340,6 +340,22 @@ class NativeProduct:
         return unpack(self.packed, self.bits, self.out_features, self.in_features)
 
 
+def shape_problem(config: Any, block_size: int = 16) -> str | None:
+    """Why a Llama config's shapes do not fit the fused pass, or None when they do."""
+    heads, hidden = int(config.num_attention_heads), int(config.hidden_size)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    if head_dim % 16 or head_dim > 512:
+        return f"head_dim {head_dim}: the fused pass needs a multiple of 16 up to 512"
+    for name in ("hidden_size", "intermediate_size"):
+        if int(getattr(config, name)) % GROUP:
+            return f"{name} {getattr(config, name)}: the native formats need a multiple of {GROUP}"
+    if heads * head_dim % GROUP:
+        return f"attention width {heads * head_dim}: not a multiple of {GROUP}"
+    if block_size > 256:
+        return f"block size {block_size}: the fused pass takes up to 256"
+    return None
+
+
 class NativeModel:
     """A runner's weights, norms, rotary tables and KV cache, as native.c's Model: one
     call runs a whole decode step. Keeps every tensor it points at alive. The runner's
@@ -352,10 +368,9 @@ class NativeModel:
         if not all(isinstance(p, NativeProduct) for p in products):
             raise ValueError("the fused step needs native products")
         self.library: Library = runner.lm_head.library
-        if runner.head_dim % 16 or runner.head_dim > 512:
-            raise ValueError(f"head_dim {runner.head_dim}: the fused step needs 16..512 by 16")
-        if runner.block_size > 256:
-            raise ValueError(f"block size {runner.block_size}: the fused step takes up to 256")
+        problem = shape_problem(runner.model_config, runner.block_size)
+        if problem:
+            raise ValueError(problem)
         count = len(layers)
         self._mats = {
             name: (Mat * count)(*(getattr(layer, name).mat for layer in layers))
