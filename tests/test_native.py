@@ -124,10 +124,13 @@ def test_the_fused_pass_computes_what_the_torch_forward_does_with_native_product
     prompt = torch.tensor(PROMPTS[2])
     fused = _runner().prefill([0, 1], 0, prompt, True)
     composed_runner = _runner()
-    composed_runner._native = None  # the torch forward, native products
+    composed_runner._native = None  # the torch forward, native products, an fp32 cache
+    composed_runner.k_cache = composed_runner.k_cache.float()
+    composed_runner.v_cache = composed_runner.v_cache.float()
     composed = composed_runner.prefill([0, 1], 0, prompt, True)
     fp32 = LlamaRunner(tiny_llama(), 16, 16, 128, "fp32").prefill([0, 1], 0, prompt, True)
-    assert float((fused - composed).norm() / composed.norm()) < 1e-4
+    # the fused pass keeps keys and values in fp16: that rounding, nothing else
+    assert float((fused - composed).norm() / composed.norm()) < 2e-3
     assert float((fused - fp32).norm() / fp32.norm()) < 0.12  # random weights at 4 bits
 
 
@@ -232,7 +235,7 @@ def test_a_model_whose_shapes_the_fused_pass_cannot_take_is_left_to_torchs_forma
         num_key_value_heads=4,
     )
     assert "head_dim 8" in (shape_problem(config) or "")
-    assert "block size" in (shape_problem(tiny_llama().config, block_size=512) or "")
+    assert "block size" in (shape_problem(tiny_llama().config, block_size=24) or "")
     odd = LlamaForCausalLM(config).eval()
     assert "w4a16" not in working_formats(torch.device("cpu"), odd)
     with pytest.raises(ValueError, match="head_dim 8"):

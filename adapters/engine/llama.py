@@ -155,8 +155,11 @@ class LlamaRunner:
         # table gives [kv_heads, rows, length, dim], ready for the batched products
         # without a second copy (engine.md compares this with a block-major layout).
         shape = (len(self.layers), self.kv_heads, num_blocks * block_size, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.state_dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.state_dtype, device=self.device)
+        # The native format keeps keys and values in fp16 (half the bytes attention
+        # reads, and half the memory); only native.c reads or writes them then.
+        cache_dtype = torch.float16 if weights == "w4a16" else self.state_dtype
+        self.k_cache = torch.zeros(shape, dtype=cache_dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=cache_dtype, device=self.device)
         self._gathered = [torch.empty(0, device=self.device) for _ in range(2)]  # k, v
         self._gather_bytes = CPU_GATHER_BYTES if self.device.type == "cpu" else None
         self._q_size = self.heads * self.head_dim

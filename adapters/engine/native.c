@@ -75,7 +75,8 @@ typedef struct {
     const float *const *input_norm; /* [layers] -> [hidden] */
     const float *const *post_norm;
     const Mat *qkv, *o, *gate_up, *down; /* [layers] */
-    float *k_cache, *v_cache; /* [layers][kv_heads][slots][head_dim] */
+    uint16_t *k_cache, *v_cache; /* fp16 [layers][kv_heads][slots][head_dim] (keys: per
+                                  * block [head_dim][block_size], see attend_head) */
     const float *cos, *sin;   /* [max_context][head_dim] */
 } Model;
 
@@ -267,6 +268,9 @@ typedef __m512i vi;
 #define VF_MUL(a, b) _mm512_mul_ps(a, b)
 #define VF_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VF_HALF(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define VF_LOAD(p) _mm512_loadu_ps(p)
+#define VF_STORE(p, v) _mm512_storeu_ps(p, v)
+#define VF_ADD(a, b) _mm512_add_ps(a, b)
 /* u8 x s8, four products summed per 32-bit lane, added to acc; U4_TO_32 turns a
  * group's sums into 32-bit lanes (here they already are) */
 #define DOT_U4(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
@@ -300,6 +304,9 @@ typedef __m256i vi;
 #define VF_MUL(a, b) _mm256_mul_ps(a, b)
 #define VF_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VF_HALF(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define VF_LOAD(p) _mm256_loadu_ps(p)
+#define VF_STORE(p, v) _mm256_storeu_ps(p, v)
+#define VF_ADD(a, b) _mm256_add_ps(a, b)
 /* u8 x s8: pairs summed in 16-bit lanes (at most 2 * 15 * 127 a pair, so a group's
  * eight pairs stay within 30,480, no saturation), widened to 32 bits once a group */
 #define DOT_U4(acc, w, x) _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x))
@@ -565,17 +572,18 @@ static void attend_head(const Model *md, int layer, int h, const float *q, const
     int64_t count = position + 1, blocks = (count + bs - 1) / bs;
     size_t head_stride = (size_t)md->slots * dim;
     size_t at = (size_t)layer * md->kv_heads * head_stride + h * head_stride;
-    const float *keys = md->k_cache + at, *values = md->v_cache + at;
+    const uint16_t *keys = md->k_cache + at, *values = md->v_cache + at;
     for (int j = 0; j < group; j++) {
         const float *qj = q + (h * group + j) * dim;
         float *s = scores + j * blocks * bs;
         for (int64_t b = 0; b < blocks; b++) {
-            const float *kt = keys + (size_t)table[b] * bs * dim;
-            float acc[256];
-            for (int o = 0; o < bs; o++) acc[o] = 0.0f;
-            for (int i = 0; i < dim; i++)
-                for (int o = 0; o < bs; o++) acc[o] += qj[i] * kt[i * bs + o];
-            memcpy(s + b * bs, acc, (size_t)bs * sizeof(float));
+            const uint16_t *kt = keys + (size_t)table[b] * bs * dim;
+            for (int o0 = 0; o0 < bs; o0 += TILE) { /* TILE floats fill a vector */
+                vf acc = VF_ZERO();
+                for (int i = 0; i < dim; i++)
+                    acc = VF_ADD(acc, VF_MUL(VF_SET1(qj[i]), VF_HALF(kt + i * bs + o0)));
+                VF_STORE(s + b * bs + o0, acc);
+            }
         }
     }
     for (int j = 0; j < group; j++) {
@@ -589,15 +597,14 @@ static void attend_head(const Model *md, int layer, int h, const float *q, const
             for (int i = 0; i < 16; i++) part[i] += s[p + i];
         for (; p < count; p++) part[0] += s[p];
         float inv = 1.0f / sum16(part);
-        float acc[512]; /* local: the compiler sees it alias nothing, and vectorizes */
-        for (int i = 0; i < dim; i++) acc[i] = 0.0f;
+        float *o = out + (h * group + j) * dim;
+        for (int i = 0; i < dim; i++) o[i] = 0.0f;
         for (p = 0; p < count; p++) {
-            const float *v = values + slots[p] * dim;
-            float w = s[p] * inv;
-            for (int i = 0; i < dim; i += 16)
-                for (int k = 0; k < 16; k++) acc[i + k] += w * v[i + k];
+            const uint16_t *v = values + slots[p] * dim;
+            vf w = VF_SET1(s[p] * inv);
+            for (int d0 = 0; d0 < dim; d0 += TILE)
+                VF_STORE(o + d0, VF_ADD(VF_LOAD(o + d0), VF_MUL(w, VF_HALF(v + d0))));
         }
-        memcpy(out + (h * group + j) * dim, acc, (size_t)dim * sizeof(float));
     }
 }
 
@@ -679,11 +686,12 @@ int fp_forward(const Model *md, int32_t rows, const int64_t *tokens, const int64
                 int64_t block = slot / md->block_size, offset = slot % md->block_size;
                 for (int h = 0; h < md->kv_heads; h++) {
                     size_t at = l * layer_stride + h * head_stride;
-                    float *kt = md->k_cache + at + (size_t)block * md->block_size * dim;
-                    for (int i = 0; i < dim; i++) /* keys transposed per block (attend) */
-                        kt[i * md->block_size + offset] = f[q_size + h * dim + i];
-                    memcpy(md->v_cache + at + slot * dim, f + q_size + kv_size + h * dim,
-                           (size_t)dim * sizeof(float));
+                    uint16_t *kt = md->k_cache + at + (size_t)block * md->block_size * dim;
+                    uint16_t *vt = md->v_cache + at + slot * dim;
+                    for (int i = 0; i < dim; i++) { /* keys transposed per block (attend_head) */
+                        kt[i * md->block_size + offset] = _cvtss_sh(f[q_size + h * dim + i], 0);
+                        vt[i] = _cvtss_sh(f[q_size + kv_size + h * dim + i], 0);
+                    }
                 }
             }
             AttendJob job = {md,     l,         rows,      width,  qkv_size, q_size, longest,

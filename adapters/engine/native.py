@@ -351,16 +351,16 @@ def shape_problem(config: Any, block_size: int = 16) -> str | None:
             return f"{name} {getattr(config, name)}: the native formats need a multiple of {GROUP}"
     if heads * head_dim % GROUP:
         return f"attention width {heads * head_dim}: not a multiple of {GROUP}"
-    if block_size > 256:
-        return f"block size {block_size}: the fused pass takes up to 256"
+    if block_size % 16:
+        return f"block size {block_size}: the fused pass needs a multiple of 16"
     return None
 
 
 class NativeModel:
     """A runner's weights, norms, rotary tables and KV cache, as native.c's Model: one
     call runs a whole decode step. Keeps every tensor it points at alive. The runner's
-    key cache then holds each block's keys transposed ([dim][block_size], native.c's
-    attend): in this format only native.c reads or writes the cache."""
+    KV cache is fp16 in this format, each block's keys transposed ([dim][block_size],
+    native.c's attend_head): only native.c reads or writes it."""
 
     def __init__(self, runner: Any) -> None:
         layers = runner.layers
