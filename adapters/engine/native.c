@@ -25,7 +25,9 @@
  * Compiled by adapters/engine/native.py at first use for the instruction set the
  * CPU reports (FP_AVX512 or FP_AVX2), with -ffp-contract=off so that the compiler
  * fuses nothing on its own; the elementwise code sums in a fixed order of 16
- * partial sums, whatever the vector width.
+ * partial sums, whatever the vector width, and attention's vector code works lane
+ * by lane (one position or one dimension a lane), so its results do not depend on
+ * the width either. The KV cache is fp16, converted exactly by F16C both ways.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -562,10 +564,11 @@ static inline int64_t slot_of(const int32_t *table, int block_size, int64_t posi
  * [heads][dim] (scaled) over its keys and values at positions 0..position, through its
  * block table (slots: each position's cache slot) -> out [heads][dim], those heads.
  *
- * Keys are kept per block transposed, [dim][block_size] (fp_forward writes them so):
- * a block's scores are then block_size independent sums over the dimensions, one per
- * vector lane, in order, with no horizontal sum. Values stay [slot][dim]: each
- * position's vector is added into the output, scaled. */
+ * Keys (fp16) are kept per block transposed, [dim][block_size] (fp_forward writes them
+ * so): a block's scores are then block_size independent sums over the dimensions, one
+ * per vector lane, in order, with no horizontal sum; block_size must be a multiple of
+ * 16. Values (fp16) stay [slot][dim]: each position's vector is added into the
+ * output, scaled, TILE dimensions at a time (head_dim is a multiple of 16). */
 static void attend_head(const Model *md, int layer, int h, const float *q, const int32_t *table,
                         const int64_t *slots, int64_t position, float *scores, float *out) {
     int dim = md->head_dim, group = md->heads / md->kv_heads, bs = md->block_size;
