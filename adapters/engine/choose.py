@@ -25,7 +25,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,13 +44,10 @@ class Choice:
 
 def cpu_flags() -> list[str]:
     """The CPU features that matter to these kernels, as the kernel reports them."""
+    from adapters.engine.native import cpu_flags as every_flag
+
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    present = set(line.split())
+    present = every_flag()
     return [flag for flag in wanted if flag in present]
 
 

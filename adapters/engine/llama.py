@@ -122,7 +122,6 @@ class LlamaRunner:
         if weights not in FORMATS:
             raise ValueError(f"unknown weight format {weights!r}; one of {', '.join(FORMATS)}")
         config = model.config
-        self.model_config = config
         self.format = weights
         self.device = next(model.parameters()).device
         self.dtype = activation_dtype(weights)
@@ -168,7 +167,7 @@ class LlamaRunner:
         if weights == "w4a16":  # a whole decode step in one call (adapters/engine/native.py)
             from adapters.engine.native import NativeModel
 
-            self._native = NativeModel(self)
+            self._native = NativeModel(self, config)
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step must read (each matrix once)."""

@@ -114,6 +114,7 @@ class Library:
 
 
 def cpu_flags() -> set[str]:
+    """Every flag of the CPU, as /proc/cpuinfo lists them (empty where it does not exist)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -362,13 +363,13 @@ class NativeModel:
     KV cache is fp16 in this format, each block's keys transposed ([dim][block_size],
     native.c's attend_head): only native.c reads or writes it."""
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: Any, config: Any) -> None:
         layers = runner.layers
         products = [layer.qkv for layer in layers] + [runner.lm_head]
         if not all(isinstance(p, NativeProduct) for p in products):
             raise ValueError("the fused step needs native products")
         self.library: Library = runner.lm_head.library
-        problem = shape_problem(runner.model_config, runner.block_size)
+        problem = shape_problem(config, runner.block_size)
         if problem:
             raise ValueError(problem)
         count = len(layers)
