@@ -166,24 +166,32 @@ async def run_connection(
 # --- router side ---
 
 
-class TcpLink:
-    """The controller's handle on one worker connection."""
+class _Link:
+    """One registered connection, either side: its epoch, its bounded outbox, the scope
+    of its tasks, and why it ended (the first reason given)."""
 
-    def __init__(self, worker_id: str, epoch: int, limit: int) -> None:
-        self.worker_id = worker_id
+    def __init__(self, epoch: int, limit: int) -> None:
         self.epoch = epoch
         self.outbox: Mailbox[AnyWireMessage] = Mailbox(limit)
         self.scope = trio.CancelScope()
         self.reason: str | None = None
-
-    def send(self, message: AnyWireMessage) -> bool:
-        return self.outbox.put(message)
 
     def close(self, reason: str) -> None:
         if self.reason is None:
             self.reason = reason
         self.outbox.close()
         self.scope.cancel()
+
+
+class TcpLink(_Link):
+    """The controller's handle on one worker connection."""
+
+    def __init__(self, worker_id: str, epoch: int, limit: int) -> None:
+        super().__init__(epoch, limit)
+        self.worker_id = worker_id
+
+    def send(self, message: AnyWireMessage) -> bool:
+        return self.outbox.put(message)
 
 
 async def serve_workers(
@@ -338,22 +346,13 @@ async def resolve_addresses(host: str, port: int) -> set[Address]:
     return {(str(info[4][0]), int(info[4][1])) for info in infos}
 
 
-class RouterLink:
+class RouterLink(_Link):
     """The worker's side of one registered connection: to router `router_id`."""
 
     def __init__(self, router_id: str, epoch: int, address: Address, limit: int) -> None:
+        super().__init__(epoch, limit)
         self.router_id = router_id
-        self.epoch = epoch
         self.address = address
-        self.outbox: Mailbox[AnyWireMessage] = Mailbox(limit)
-        self.scope = trio.CancelScope()
-        self.reason: str | None = None
-
-    def close(self, reason: str) -> None:
-        if self.reason is None:
-            self.reason = reason
-        self.outbox.close()
-        self.scope.cancel()
 
 
 class RemoteWorker:
