@@ -161,27 +161,20 @@ async def run_level(
     return level
 
 
-def engine_only(load: ServeLoad) -> tuple[float, int]:
-    """The same greedy requests on the engine alone (no HTTP, no router), on the threads
-    the server's engine had: (tokens/s, those threads)."""
+def engine_only(load: ServeLoad) -> tuple[float, int | None]:
+    """The same greedy requests on the engine alone (no HTTP, no router), built and
+    threaded as the server's was: (tokens/s, its CPU threads; None: torch's own)."""
     import torch
 
-    from adapters.engine.engine import Engine
     from adapters.engine.model import load_model
     from adapters.openai.models import ChatModel
     from adapters.openai.normalize import ChatMessage
-    from adapters.runtime.worker_host import default_threads, serving_threads
-    from core.batching import BatchLimits
+    from adapters.runtime.worker_host import serving_engine
     from core.protocol import Assignment, Decoded, DecodeDone, GenerationRequest, Sampling
 
     loaded = load_model(load.model_path, quiet=True)
-    # the same torch threads as the server's engine thread had, and the same format choice
-    device = next(loaded.model.parameters()).device.type
-    threads = load.threads or default_threads(device) or torch.get_num_threads()
-    torch.set_num_threads(threads)
-    engine = Engine(loaded, BatchLimits(max_seqs=load.top, max_context=2048), weights="auto")
-    if not load.threads:  # as the server goes on after choosing
-        threads = serving_threads(device, engine.runner.format) or threads
+    engine, threads = serving_engine(loaded, load.top, 2048, "auto", load.threads)
+    if threads is not None:  # the server's engine thread sets them on itself
         torch.set_num_threads(threads)
     chat = ChatModel("bench", loaded.tokenizer, 2048)  # the server's own chat tokenizing
     pending = []

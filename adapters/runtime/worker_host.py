@@ -341,7 +341,7 @@ def serving_threads(device_type: str, weights: str) -> int | None:
     return default_threads(device_type)
 
 
-def engine_decoder(
+def serving_engine(
     loaded: LoadedModel,
     slots: int,
     max_context: int,
@@ -350,13 +350,13 @@ def engine_decoder(
     *,
     prefix_caching: bool = True,
     kv_cache_tokens: int | None = None,
-) -> EngineDecoder:
-    """The torch engine for a loaded model: `slots` sequences of at most max_context
-    tokens (capped at the model's own) sharing a KV cache of kv_cache_tokens positions
-    (None: the engine's default), stepping on its own thread. The torch threads are
-    set first, so that choosing the weight format measures what serving will run;
-    threads=None and the native format chosen: every core (default_threads says why
-    torch's formats leave one free)."""
+) -> tuple[Engine, int | None]:
+    """The torch engine for a loaded model as serving runs it, and its CPU threads:
+    `slots` sequences of at most max_context tokens (capped at the model's own) sharing
+    a KV cache of kv_cache_tokens positions (None: the engine's default). The torch
+    threads are set first, so that choosing the weight format measures what serving
+    will run; threads=None and the native format chosen: every core (default_threads
+    says why torch's formats leave one free)."""
     import torch
 
     from adapters.engine.engine import DEFAULT_KV_CACHE_TOKENS, Engine
@@ -380,6 +380,29 @@ def engine_decoder(
     if chosen_threads is None and engine.runner.format == "w4a16":
         threads = serving_threads(device, "w4a16")
         say(f"weights w4a16: the engine takes all {threads} CPU threads")
+    return engine, threads
+
+
+def engine_decoder(
+    loaded: LoadedModel,
+    slots: int,
+    max_context: int,
+    weights: str,
+    threads: int | None,
+    *,
+    prefix_caching: bool = True,
+    kv_cache_tokens: int | None = None,
+) -> EngineDecoder:
+    """serving_engine's engine, stepping on its own thread with its threads."""
+    engine, threads = serving_engine(
+        loaded,
+        slots,
+        max_context,
+        weights,
+        threads,
+        prefix_caching=prefix_caching,
+        kv_cache_tokens=kv_cache_tokens,
+    )
     return EngineDecoder(engine, threads)
 
 
