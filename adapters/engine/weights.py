@@ -15,11 +15,12 @@
   files keep it at 8 bits (the default model's is Q8_0), and at 4 bits it
   alone cost the default model 8% perplexity.
 - w4a16: the same 4-bit groups (fp16 scale and minimum: exactly a Q4_1 block), but
-  each product quantizes its activations to 8 bits per group of 32 and multiplies
-  integers (AVX-512 VNNI or AVX2), in our own C kernels (adapters/engine/native.c,
-  compiled at first use); the output projection is 8-bit per group of 32 (a Q8_0
-  block, as the default model ships it). A decode step in this format is one call
-  into C (the fused step): no per-operation dispatch from Python.
+  each product turns its fp32 activations into 16-bit integers per group of 32 (two
+  bytes each) and multiplies integers (AVX-512 VNNI or AVX2), in our own C kernels
+  (adapters/engine/native.c, compiled at first use); the output projection is 8-bit
+  per group of 32 (a Q8_0 block, as the default model ships it). A decode step in
+  this format is one call into C (the fused pass, with an fp16 KV cache): no
+  per-operation dispatch from Python.
 
 Which format a CPU should use is measured, not assumed (adapters/engine/choose.py):
 what its kernels run at and whether the format passes the quality gate
