@@ -37,7 +37,7 @@ from adapters.openai.server import FencepostApp, HttpLimits
 from adapters.runtime.controller import Controller
 from adapters.runtime.embedded import run_local_worker
 from adapters.runtime.tcp import serve_workers
-from adapters.runtime.worker_host import Decoder, FakeDecoder, engine_decoder
+from adapters.runtime.worker_host import Decoder, EngineDecoder, FakeDecoder, serving_engine
 from core.router import RouterConfig
 from core.worker import WorkerConfig
 
@@ -227,14 +227,16 @@ def build_model(options: ServeOptions) -> tuple[ServedModel, Decoder | None]:
     max_context = min(options.max_context, loaded.max_context)
     model = ChatModel(options.served_model_name or loaded.name, loaded.tokenizer, max_context)
     slots, weights, threads = options.slots, options.weights, options.threads
-    on_thread = engine_decoder(
-        loaded,
-        slots,
-        max_context,
-        weights,
-        threads,
-        prefix_caching=options.prefix_caching,
-        kv_cache_tokens=options.kv_cache_tokens,
+    on_thread = EngineDecoder(
+        *serving_engine(
+            loaded,
+            slots,
+            max_context,
+            weights,
+            threads,
+            prefix_caching=options.prefix_caching,
+            kv_cache_tokens=options.kv_cache_tokens,
+        )
     )
     return model, on_thread
 

@@ -25,7 +25,7 @@ import trio
 from adapters.cli import add_kv_cache_arguments, add_weights_argument
 from adapters.runtime.health import serve_health
 from adapters.runtime.tcp import RemoteWorker
-from adapters.runtime.worker_host import Decoder, FakeDecoder, engine_decoder
+from adapters.runtime.worker_host import Decoder, EngineDecoder, FakeDecoder, serving_engine
 from core.worker import WorkerConfig
 
 log = logging.getLogger("fencepost.worker")
@@ -110,14 +110,16 @@ def run(args: argparse.Namespace) -> int:
         from adapters.engine.model import load_model
 
         loaded = load_model(args.model)
-        on_thread = engine_decoder(
-            loaded,
-            args.slots,
-            args.max_context,
-            args.weights,
-            args.threads,
-            prefix_caching=not args.no_prefix_cache,
-            kv_cache_tokens=args.kv_cache_tokens,
+        on_thread = EngineDecoder(
+            *serving_engine(
+                loaded,
+                args.slots,
+                args.max_context,
+                args.weights,
+                args.threads,
+                prefix_caching=not args.no_prefix_cache,
+                kv_cache_tokens=args.kv_cache_tokens,
+            )
         )
         decoder, max_context = on_thread, on_thread.engine.limits.max_context
     config = WorkerConfig(

@@ -383,29 +383,6 @@ def serving_engine(
     return engine, threads
 
 
-def engine_decoder(
-    loaded: LoadedModel,
-    slots: int,
-    max_context: int,
-    weights: str,
-    threads: int | None,
-    *,
-    prefix_caching: bool = True,
-    kv_cache_tokens: int | None = None,
-) -> EngineDecoder:
-    """serving_engine's engine, stepping on its own thread with its threads."""
-    engine, threads = serving_engine(
-        loaded,
-        slots,
-        max_context,
-        weights,
-        threads,
-        prefix_caching=prefix_caching,
-        kv_cache_tokens=kv_cache_tokens,
-    )
-    return EngineDecoder(engine, threads)
-
-
 class EngineDecoder:
     """The torch engine (adapters.engine.Engine) stepping on its own thread.
 
