@@ -487,3 +487,12 @@ def test_the_engine_sends_records_only_where_asked_and_a_continuation_agrees(
         assert got.logprob is not None and want is not None
         assert got.logprob.logprob == pytest.approx(want.logprob, abs=1e-4)
         assert [t for t, _ in got.logprob.top] == [t for t, _ in want.top]
+
+
+def test_the_command_line_offers_exactly_the_decode_paths_and_attentions() -> None:
+    from adapters.cli import ATTENTION_CHOICES, DECODE_CHOICES
+    from adapters.engine.engine import DECODE_PATHS
+    from adapters.engine.paged_attention import ATTENTIONS
+
+    assert DECODE_PATHS == DECODE_CHOICES
+    assert ("auto", *ATTENTIONS) == ATTENTION_CHOICES

@@ -38,7 +38,9 @@ def test_the_device_check_runs_on_cpu_and_reports_everything(
     assert "fp32 greedy equals HF generate over 64 tokens: 4/4" in out
     assert out.count("alone = in a batch of 16: 4/4") == 2  # greedy and seeded sampling
     assert out.count("resumed from k = 1, 17, 45 (together): 12/12") == 2
+    assert "decode static (gather attention) = eager decode, fp32 greedy: 4/4" in out
     for row in ("fencepost, 1 stream ", "fencepost, 4 streams", "HF generate, eager",
+                "fencepost, eager decode, 1 stream",
                 "HF generate, static cache", "first token p50, 64 at once"):  # fmt: skip
         assert f"| {row}" in out
     assert "== goals (issue 13)" in out

@@ -321,6 +321,8 @@ def main(
     logprobs: int | None = None,
     schema: dict[str, Any] | None = None,
     device: str = "auto",
+    decode: str = "auto",
+    attention: str = "auto",
 ) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
@@ -334,7 +336,7 @@ def main(
         f"{torch.get_num_threads()} torch threads, prompt {len(prompt)} tokens, "
         f"{tokens} new tokens per request, engine weights {weights}, "
         f"prefix cache {'on' if prefix_caching else 'off'}, KV cache {kv_cache_tokens} tokens "
-        f"in blocks of {block_size}"
+        f"in blocks of {block_size}, decode {decode}"
     )
     hf = hf_generate_rate(loaded, prompt, tokens)
     print(f"  HF generate, 1 stream:              {hf:8.1f} tok/s   (1.00x)")
@@ -346,6 +348,8 @@ def main(
         prefix_caching=prefix_caching,
         kv_cache_tokens=kv_cache_tokens,
         block_size=block_size,
+        decode=decode,
+        attention=attention,
     )
     engine_run(engine, prompt, 1, 8)  # warm up
     rows = []
@@ -388,6 +392,8 @@ def main(
             prefix_caching=prefix_caching,
             kv_cache_tokens=kv_cache_tokens,
             block_size=block_size,
+            decode=decode,
+            attention=attention,
         )
         constrained_comparison(stopping, loaded, schema, concurrency, tokens)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -26,6 +26,25 @@ def add_weights_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# adapters/engine/engine.py DECODE_PATHS and paged_attention.py ATTENTIONS plus "auto" (a
+# test keeps them alike).
+DECODE_CHOICES = ("auto", "eager", "static", "graphs")
+ATTENTION_CHOICES = ("auto", "gather", "triton")
+
+
+def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
+    """--decode and --decode-attention, as serve, worker and the engine bench take them."""
+    parser.add_argument(
+        "--decode", choices=DECODE_CHOICES, default="auto",
+        help="how decode steps run: auto = CUDA graphs on a GPU, eager on CPU; static = "
+        "the graphs' fixed-shape step without capture",
+    )  # fmt: skip
+    parser.add_argument(
+        "--decode-attention", choices=ATTENTION_CHOICES, default="auto",
+        help="attention of the fixed-shape step: auto = the faster, measured at start",
+    )  # fmt: skip
+
+
 # adapters/engine/engine.py DEFAULT_KV_CACHE_TOKENS (named here so as not to import torch).
 DEFAULT_KV_CACHE_TOKENS = 16 * 2048
 

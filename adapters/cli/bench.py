@@ -14,7 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapters.cli import add_kv_cache_arguments, add_weights_argument, positive
+from adapters.cli import (
+    add_decode_arguments,
+    add_kv_cache_arguments,
+    add_weights_argument,
+    positive,
+)
 from core.protocol import MAX_TOP_LOGPROBS
 
 Flags = Callable[[argparse.ArgumentParser], None]
@@ -204,6 +209,7 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     add_weights_argument(parser)
     add_kv_cache_arguments(parser)
+    add_decode_arguments(parser)
     parser.add_argument(
         "--block-size", type=positive, default=16, metavar="TOKENS",
         help="positions per KV cache block (default %(default)s, chosen by measurement)",
@@ -248,6 +254,8 @@ def _engine(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         logprobs=args.logprobs,
         schema=schema,
+        decode=args.decode,
+        attention=args.decode_attention,
     )
 
 

@@ -30,7 +30,12 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
-from adapters.cli import DEFAULT_KV_CACHE_TOKENS, add_kv_cache_arguments, add_weights_argument
+from adapters.cli import (
+    DEFAULT_KV_CACHE_TOKENS,
+    add_decode_arguments,
+    add_kv_cache_arguments,
+    add_weights_argument,
+)
 from adapters.cli.worker import listen_address
 from adapters.openai.models import ChatModel, FakeChatModel, ServedModel
 from adapters.openai.server import FencepostApp, HttpLimits
@@ -61,6 +66,8 @@ class ServeOptions:
     weights: str = "auto"
     prefix_caching: bool = True
     kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS
+    decode: str = "auto"
+    decode_attention: str = "auto"
     fake: bool = False
     fake_step_ms: float = 0.0
     fake_prefill_ms_per_token: float = 0.0
@@ -103,6 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_weights_argument(parser)
     add_kv_cache_arguments(parser)
+    add_decode_arguments(parser)
     parser.add_argument("--fake", action="store_true", help="a fake model: instant made-up words")
     parser.add_argument("--fake-step-ms", type=float, default=0.0)
     parser.add_argument(
@@ -175,6 +183,8 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
         weights=args.weights,
         prefix_caching=not args.no_prefix_cache,
         kv_cache_tokens=args.kv_cache_tokens,
+        decode=args.decode,
+        decode_attention=args.decode_attention,
         fake=args.fake,
         fake_step_ms=args.fake_step_ms,
         fake_prefill_ms_per_token=args.fake_prefill_ms_per_token,
@@ -236,6 +246,8 @@ def build_model(options: ServeOptions) -> tuple[ServedModel, Decoder | None]:
             threads,
             prefix_caching=options.prefix_caching,
             kv_cache_tokens=options.kv_cache_tokens,
+            decode=options.decode,
+            attention=options.decode_attention,
         )
     )
     return model, on_thread

@@ -22,7 +22,7 @@ import socket
 
 import trio
 
-from adapters.cli import add_kv_cache_arguments, add_weights_argument
+from adapters.cli import add_decode_arguments, add_kv_cache_arguments, add_weights_argument
 from adapters.runtime.health import serve_health
 from adapters.runtime.tcp import RemoteWorker
 from adapters.runtime.worker_host import Decoder, EngineDecoder, FakeDecoder, serving_engine
@@ -63,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_weights_argument(parser)
     add_kv_cache_arguments(parser)
+    add_decode_arguments(parser)
     parser.add_argument(
         "--fake", action="store_true", help="a deterministic fake decoder instead of a model"
     )
@@ -119,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
                 args.threads,
                 prefix_caching=not args.no_prefix_cache,
                 kv_cache_tokens=args.kv_cache_tokens,
+                decode=args.decode,
+                attention=args.decode_attention,
             )
         )
         decoder, max_context = on_thread, on_thread.engine.limits.max_context

@@ -35,6 +35,15 @@ queue with its context = prompt + output so far, its Generation intact, so it
 goes on at the next index (mostly from the cache, where its blocks survive).
 Every full block written, prompt or output, is committed to the cache.
 
+Decode steps on a GPU run as CUDA graphs (adapters/engine/static_decode.py):
+the step's inputs go into static buffers padded to a captured batch size,
+and one replay runs the whole forward pass; attention there reads each row
+up to its own length (paged_attention.py, chosen at start by measurement).
+`decode` says which: "auto" (graphs on CUDA, eager elsewhere), "eager" (the
+forward pass of llama.py, shaped by each step), "static" (the fixed-shape
+step without capture: the CPU tests' view of what a graph replays) or
+"graphs". Prefill steps stay eager: their shapes follow the chunks.
+
 Constrained decoding (adapters/engine/grammar.py): a request with a Constraint
 gets a matcher at start (a continuation's matcher replays its output prefix);
 each step computes the constrained rows' masks in one batched call on the
@@ -61,7 +70,9 @@ from adapters.engine.choose import choose
 from adapters.engine.grammar import GrammarError, Grammars, Penalty, tokenizer_for
 from adapters.engine.llama import DEFAULT_BLOCK_SIZE, Chunk, LlamaRunner
 from adapters.engine.model import LoadedModel, say
+from adapters.engine.paged_attention import ATTENTIONS, choose_attention, make_attention
 from adapters.engine.sampling import TokenDraw, sample, sample_whole
+from adapters.engine.static_decode import StaticDecode
 from core.batching import BatchLimits, Running, plan_step
 from core.blocks import BlockManager, blocks_for, chain_hashes
 from core.decoding import Generation
@@ -75,6 +86,9 @@ from core.protocol import (
     TokenLogprob,
 )
 
+DECODE_PATHS = ("auto", "eager", "static", "graphs")
+# Rows the decode attention is measured with at start (lengths spread up to max_context).
+ATTENTION_TRIAL_ROWS = 32
 # Below this a reported log probability is a grammar's forbidden token: no real logit
 # gap comes near it, and the penalty (grammar.py) puts such tokens near -1.7e38.
 FORBIDDEN_LOGPROB = -1e30
@@ -138,7 +152,11 @@ class Engine:
     of block_size); prefix_caching: share committed blocks between sequences.
 
     grammar_tokenizer: llguidance's tokenizer for constrained decoding; by default
-    built from the model's tokenizer at the first constrained request (~1 s)."""
+    built from the model's tokenizer at the first constrained request (~1 s).
+
+    decode: how decode steps run (DECODE_PATHS, the module's docstring);
+    attention: the fixed-shape step's attention (paged_attention.ATTENTIONS), or
+    "auto": measured at start on CUDA, "gather" elsewhere."""
 
     def __init__(
         self,
@@ -150,6 +168,8 @@ class Engine:
         kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
         block_size: int = DEFAULT_BLOCK_SIZE,
         grammar_tokenizer: Any = None,
+        decode: str = "auto",
+        attention: str = "auto",
     ) -> None:
         limits = limits or BatchLimits(max_context=min(2048, loaded.max_context))
         if limits.max_context > loaded.max_context:
@@ -166,6 +186,7 @@ class Engine:
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.runner = LlamaRunner(loaded.model, num_blocks, block_size, limits.max_context, weights)
         self.device = self.runner.device
+        self.static = self._static_decode(decode, attention)
         self._keys = 0
         self._waiting: dict[int, _Sequence] = {}  # in queue order
         self._running: dict[int, _Sequence] = {}  # in admission order
@@ -179,6 +200,31 @@ class Engine:
         self._report = CacheReport(block_size)
         self._keys_at = -KEYS_EVERY_S  # when the report's keys were last listed
         self._grammars = None if grammar_tokenizer is None else Grammars(grammar_tokenizer)
+
+    def _static_decode(self, decode: str, attention: str) -> StaticDecode | None:
+        """The fixed-shape decode step `decode` asks for (captured as graphs or not), or
+        None for the eager one."""
+        if decode not in DECODE_PATHS:
+            raise ValueError(f"unknown decode path {decode!r}; one of {', '.join(DECODE_PATHS)}")
+        if attention != "auto" and attention not in ATTENTIONS:
+            raise ValueError(f"unknown attention {attention!r}; auto or {', '.join(ATTENTIONS)}")
+        cuda = self.device.type == "cuda"
+        if decode == "auto":
+            decode = "graphs" if cuda else "eager"
+        if decode == "eager":
+            return None
+        if decode == "graphs" and not cuda:
+            raise ValueError(f"decode graphs need a CUDA device, not {self.device.type}")
+        runner = self.runner
+        if runner.format == "w4a16":
+            raise ValueError("w4a16 decodes in one native call; its decode path is eager")
+        rows = self.limits.max_seqs
+        if attention == "auto":
+            chosen = choose_attention(runner, min(rows, ATTENTION_TRIAL_ROWS), say)
+        else:
+            shape = (runner.heads, runner.kv_heads, runner.head_dim, runner.block_size)
+            chosen = make_attention(attention, *shape, runner.max_context)
+        return StaticDecode(runner, rows, chosen, graphs=decode == "graphs", say=say)
 
     # --- commands ---
 
@@ -362,11 +408,15 @@ class Engine:
     def _decode(self, seqs: list[_Sequence], events: list[DecoderEvent]) -> None:
         device = self.device
         where = [seq.position for seq in seqs]
-        pages = self.runner.pages([self.blocks.table(seq.key) for seq in seqs], max(where) + 1)
-        positions = torch.tensor(where, device=device)
-        tokens = torch.tensor([s.generation.output[-1] for s in seqs], device=device)
+        tables = [self.blocks.table(seq.key) for seq in seqs]
+        last = [s.generation.output[-1] for s in seqs]
         masks = self._masks(seqs)
-        logits = self.runner.decode(pages, positions, tokens)
+        if self.static is not None:
+            logits = self.static.run(tables, where, last)
+        else:
+            pages = self.runner.pages(tables, max(where) + 1)
+            positions = torch.tensor(where, device=device)
+            logits = self.runner.decode(pages, positions, torch.tensor(last, device=device))
         for seq, position in zip(seqs, where, strict=True):
             if (position + 1) % self.blocks.block_size == 0:  # it filled a block
                 self.blocks.commit(seq.key, seq.written(position + 1))

@@ -3,9 +3,10 @@
 transformers loads the model (from GGUF or an HF directory) and we read its
 weights; the forward pass is our own so that one call can decode a batch of
 sequences that sit at different positions. The KV cache is a pool of
-`num_blocks` blocks of `block_size` positions, one key and one value tensor
-per layer laid out [kv_heads, num_blocks * block_size, head_dim]: cache slot
-block * block_size + offset. A sequence's block table (core/blocks.py decides
+`num_blocks` blocks of `block_size` positions (and one scratch block past
+them, for the padding rows of static_decode.py), one key and one value tensor
+per layer laid out [kv_heads, (num_blocks + 1) * block_size, head_dim]: cache
+slot block * block_size + offset. A sequence's block table (core/blocks.py decides
 it) says which blocks hold its positions in order; it writes each new key and
 value at its position's slot and attends over its own prefix only, gathered
 through its table (or read as a view when the table is one contiguous run).
@@ -20,7 +21,7 @@ error at start.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -153,7 +154,10 @@ class LlamaRunner:
         # [kv_heads, slot, dim] per layer: gathering whole blocks of each row's
         # table gives [kv_heads, rows, length, dim], ready for the batched products
         # without a second copy (engine.md compares this with a block-major layout).
-        shape = (len(self.layers), self.kv_heads, num_blocks * block_size, self.head_dim)
+        # One block more than the pool: the scratch block, given to no sequence, where the
+        # padding rows of a fixed-shape decode step write and read (static_decode.py).
+        self.scratch_block = num_blocks
+        shape = (len(self.layers), self.kv_heads, (num_blocks + 1) * block_size, self.head_dim)
         # The native format keeps keys and values in fp16 (half the bytes attention
         # reads, and half the memory); only native.c reads or writes them then.
         cache_dtype = torch.float16 if weights == "w4a16" else self.state_dtype
@@ -214,6 +218,28 @@ class LlamaRunner:
                 parts.append(self._attend_one(q[first:end], keys, values, mask[:, first:end]))
             attn = parts[0] if len(parts) == 1 else torch.cat(parts)
             x = x + layer.o(attn.to(self.dtype))
+            x = x + self._mlp(x, layer)
+        return self._logits(x)
+
+    def forward_static(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        tables: torch.Tensor,
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """decode() at fixed shapes, for static_decode.py: every input a tensor of a
+        size fixed per batch size (tables [rows, widest]), no Python value read from
+        the device, attention by `attend` (paged_attention.py). -> logits [rows, vocab]."""
+        x = self.embed[tokens]
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        writes = self._slots(tables, positions[:, None])[:, 0]
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._qkv(x, layer, cos, sin)
+            k_cache, v_cache = self.k_cache[index], self.v_cache[index]
+            k_cache[:, writes] = k.transpose(0, 1)
+            v_cache[:, writes] = v.transpose(0, 1)
+            x = x + layer.o(attend(q, k_cache, v_cache).to(self.dtype))
             x = x + self._mlp(x, layer)
         return self._logits(x)
 
@@ -350,7 +376,7 @@ class LlamaRunner:
         if self._gathered[which].numel() < size:
             self._gathered[which] = torch.empty(size, dtype=cache.dtype, device=cache.device)
         out = self._gathered[which][:size].view(shape)
-        by_block = cache.view(self.kv_heads, self.num_blocks, self.block_size, self.head_dim)
+        by_block = cache.view(self.kv_heads, -1, self.block_size, self.head_dim)
         torch.index_select(by_block, 1, pages.tables.flatten(), out=out)
         return out.view(self.kv_heads, rows, width * self.block_size, self.head_dim)
 

@@ -392,7 +392,7 @@ class NativeModel:
             vocab=runner.vocab_size,
             layers=count,
             block_size=runner.block_size,
-            slots=runner.num_blocks * runner.block_size,
+            slots=runner.k_cache.shape[2],  # the pool and the scratch block
             max_context=runner.max_context,
             eps=runner.eps,
             embed=runner.embed.data_ptr(),

@@ -350,13 +350,16 @@ def serving_engine(
     *,
     prefix_caching: bool = True,
     kv_cache_tokens: int | None = None,
+    decode: str = "auto",
+    attention: str = "auto",
 ) -> tuple[Engine, int | None]:
     """The torch engine for a loaded model as serving runs it, and its CPU threads:
-    `slots` sequences of at most max_context tokens (capped at the model's own) sharing
-    a KV cache of kv_cache_tokens positions (None: the engine's default). The torch
-    threads are set first, so that choosing the weight format measures what serving
-    will run; threads=None and the native format chosen: every core (default_threads
-    says why torch's formats leave one free)."""
+        `slots` sequences of at most max_context tokens (capped at the model's own) sharing
+        a KV cache of kv_cache_tokens positions (None: the engine's default), decoding as
+    `decode` and `attention` say (Engine's arguments). The torch
+        threads are set first, so that choosing the weight format measures what serving
+        will run; threads=None and the native format chosen: every core (default_threads
+        says why torch's formats leave one free)."""
     import torch
 
     from adapters.engine.engine import DEFAULT_KV_CACHE_TOKENS, Engine
@@ -376,6 +379,8 @@ def serving_engine(
         weights=weights,
         prefix_caching=prefix_caching,
         kv_cache_tokens=kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS,
+        decode=decode,
+        attention=attention,
     )
     if chosen_threads is None and engine.runner.format == "w4a16":
         threads = serving_threads(device, "w4a16")

@@ -1,0 +1,308 @@
+"""Decode attention at fixed shapes, for the static decode step (static_decode.py).
+
+A captured CUDA graph replays the same kernels on the same buffers every
+step, so attention there takes every row's block table padded to the widest
+a sequence can have (max_context) and each row's length as a tensor. Two
+ways to spend that, chosen at start by measuring both on the device
+(`choose_attention`, logged):
+
+- "gather" (torch alone): every row's whole table gathered into one tensor,
+  positions past the row's length masked to -inf, then batched products and
+  a softmax. Simple and exact, but every step reads max_context positions
+  per row whatever the rows' real lengths are.
+- "triton": a kernel that reads each row's blocks where they lie in the
+  pool, up to that row's own length, so a step costs what the rows really
+  hold. A row's positions are cut into spans of `span` positions; one
+  program per (row, key head, span) runs an online softmax over its span for
+  the query heads sharing that key head, and a second kernel joins the
+  spans' partial results in span order. The spans depend on a row's length
+  alone, so a row's result is the same in any batch (no split chosen by how
+  busy the step is). Programs past a row's length exit at once.
+
+Both take q [rows, heads, dim] (already scaled by 1/sqrt(dim)) and one
+layer's cache [kv_heads, slots, dim], and give [rows, heads * dim].
+`bind(tables, lengths)` does the per-step work once (the mask, the span
+grid) and returns the per-layer function.
+
+The kernels are built at first use (triton imported then), so CPU serving
+never imports triton; with TRITON_INTERPRET=1 set before that first use they
+run on CPU tensors, which is how the tests check them against "gather".
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+ATTENTIONS = ("gather", "triton")
+SPAN = 256  # positions per program of the triton kernel (at most MAX_SPANS spans a row)
+MAX_SPANS = 16
+CHUNK = 16  # positions a program reads per iteration
+
+
+class GatherAttention:
+    """Every row's whole table gathered, the positions past its length masked."""
+
+    name = "gather"
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, block_size: int) -> None:
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.block_size = block_size
+
+    def bind(self, tables: torch.Tensor, lengths: torch.Tensor) -> Attend:
+        rows, width = tables.shape
+        span = width * self.block_size
+        positions = torch.arange(span, device=tables.device)
+        past = (positions[None, :] >= lengths[:, None]).view(1, rows, 1, span)
+        blocks = tables.flatten().to(torch.int64)
+        group = self.heads // self.kv_heads
+
+        def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+            mask = torch.zeros(past.shape, dtype=q.dtype, device=q.device)
+            mask = mask.masked_fill(past, float("-inf"))
+            by_block = (self.kv_heads, -1, self.block_size, self.head_dim)
+            keys = torch.index_select(k_cache.view(by_block), 1, blocks)
+            values = torch.index_select(v_cache.view(by_block), 1, blocks)
+            batch = rows * self.kv_heads
+            queries = q.view(rows, self.kv_heads, group, self.head_dim).transpose(0, 1)
+            queries = queries.reshape(batch, group, self.head_dim)
+            scores = torch.bmm(queries, keys.reshape(batch, span, self.head_dim).transpose(1, 2))
+            scores = scores.view(self.kv_heads, rows, group, span) + mask
+            weights = torch.softmax(scores, dim=-1).view(batch, group, span)
+            out = torch.bmm(weights, values.reshape(batch, span, self.head_dim))
+            out = out.view(self.kv_heads, rows, group * self.head_dim).transpose(0, 1)
+            return out.reshape(rows, self.heads * self.head_dim)
+
+        return attend
+
+
+class TritonAttention:
+    """Each row's blocks read in place up to its own length (the module's docstring)."""
+
+    name = "triton"
+
+    def __init__(
+        self, heads: int, kv_heads: int, head_dim: int, block_size: int, max_context: int
+    ) -> None:
+        problem = triton_problem(heads, kv_heads, head_dim)
+        if problem:
+            raise ValueError(problem)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.block_size = block_size
+        self.group = heads // kv_heads
+        self.group_p2 = max(2, 1 << (self.group - 1).bit_length())
+        self.span = max(SPAN, _next_pow2(-(-max_context // MAX_SPANS)))
+        self.spans = -(-max_context // self.span)
+
+    def bind(self, tables: torch.Tensor, lengths: torch.Tensor) -> Attend:
+        partial, join = _kernels()
+        rows, width = tables.shape
+        device = tables.device
+        shape = (rows, self.kv_heads, self.spans, self.group_p2)
+        top = torch.empty(shape, dtype=torch.float32, device=device)
+        total = torch.empty(shape, dtype=torch.float32, device=device)
+        acc = torch.empty((*shape, self.head_dim), dtype=torch.float32, device=device)
+        tables = tables.to(torch.int32).contiguous()
+        lengths = lengths.to(torch.int32).contiguous()
+
+        def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+            q = q.contiguous()
+            out = torch.empty((rows, self.heads * self.head_dim), dtype=q.dtype, device=device)
+            slots = k_cache.shape[1]
+            partial[(rows, self.kv_heads, self.spans)](
+                q, k_cache, v_cache, tables, lengths, top, total, acc,
+                slots, width, self.spans,
+                HEAD_DIM=self.head_dim, GROUP=self.group, GROUP_P2=self.group_p2,
+                BLOCK=self.block_size, SPAN=self.span, CHUNK=CHUNK,
+            )  # fmt: skip
+            join[(rows, self.kv_heads)](
+                top, total, acc, out, self.spans,
+                HEAD_DIM=self.head_dim, GROUP=self.group, GROUP_P2=self.group_p2,
+            )  # fmt: skip
+            return out
+
+        return attend
+
+
+def triton_problem(heads: int, kv_heads: int, head_dim: int) -> str | None:
+    """Why the triton kernel cannot take this shape, or None."""
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+        return f"head size {head_dim} is not a power of two from 16 to 256"
+    if heads % kv_heads:
+        return f"{heads} query heads do not group over {kv_heads} key heads"
+    return None
+
+
+def triton_available() -> str | None:
+    """Why triton cannot be used here, or None."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    return None
+
+
+def make_attention(
+    name: str, heads: int, kv_heads: int, head_dim: int, block_size: int, max_context: int
+) -> GatherAttention | TritonAttention:
+    if name == "gather":
+        return GatherAttention(heads, kv_heads, head_dim, block_size)
+    if name == "triton":
+        return TritonAttention(heads, kv_heads, head_dim, block_size, max_context)
+    raise ValueError(f"unknown decode attention {name!r}; one of {', '.join(ATTENTIONS)}")
+
+
+def choose_attention(
+    runner: Any, rows: int, say: Callable[[str], None]
+) -> GatherAttention | TritonAttention:
+    """The faster of the candidates for this runner's shape on its device, measured on
+    one layer of its cache: `rows` rows at lengths spread up to max_context (the
+    gather reads max_context whatever the lengths; the kernel reads what they hold).
+    Candidates that cannot run are named in the log with the reason."""
+    shape = (runner.heads, runner.kv_heads, runner.head_dim, runner.block_size)
+    candidates: list[GatherAttention | TritonAttention] = [GatherAttention(*shape)]
+    problem = triton_available() or triton_problem(*shape[:3])
+    if runner.device.type != "cuda":
+        problem = problem or f"the kernel is compiled for CUDA, not {runner.device.type}"
+    if problem is None:
+        candidates.append(TritonAttention(*shape, runner.max_context))
+    else:
+        say(f"decode attention: no triton candidate ({problem})")
+    if len(candidates) == 1:
+        return candidates[0]
+    timings = []
+    for candidate in candidates:
+        try:
+            timings.append((time_attention(runner, candidate, rows), candidate))
+        except Exception as error:  # a kernel that fails to build is no candidate
+            say(f"decode attention: {candidate.name} failed to run ({type(error).__name__}: "
+                f"{error})")  # fmt: skip
+    if not timings:
+        raise RuntimeError("no decode attention runs on this device")
+    timings.sort(key=lambda pair: pair[0])
+    figures = ", ".join(f"{c.name} {t * 1e3:.3f} ms" for t, c in timings)
+    say(
+        f"decode attention: {timings[0][1].name}, measured for {rows} rows at lengths "
+        f"up to {runner.max_context}, one layer ({figures})"
+    )
+    return timings[0][1]
+
+
+def time_attention(runner: Any, attention: GatherAttention | TritonAttention, rows: int) -> float:
+    """Seconds per call of one layer's attention, the median of a few timed runs."""
+    device, size = runner.device, runner.block_size
+    width = -(-runner.max_context // size)
+    generator = torch.Generator().manual_seed(0)
+    blocks = runner.num_blocks
+    tables = torch.randint(0, blocks, (rows, width), generator=generator).to(device)
+    lengths = torch.linspace(1, runner.max_context, rows).round().to(torch.int32).to(device)
+    q = torch.randn(rows, runner.heads, runner.head_dim, generator=generator)
+    q = q.to(device=device, dtype=runner.k_cache.dtype)
+    k_cache, v_cache = runner.k_cache[0], runner.v_cache[0]
+    attend = attention.bind(tables, lengths)
+    samples = []
+    for _ in range(7):
+        _sync(device)
+        began = time.perf_counter()
+        for _ in range(5):
+            attend(q, k_cache, v_cache)
+        _sync(device)
+        samples.append((time.perf_counter() - began) / 5)
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _next_pow2(value: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, value))))
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    """The two triton kernels, built at first use (see the module's docstring)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def partial(  # type: ignore[no-untyped-def]
+        q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, top_ptr, total_ptr, acc_ptr,
+        slots, width, spans,
+        HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+        BLOCK: tl.constexpr, SPAN: tl.constexpr, CHUNK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        kv = tl.program_id(1)
+        part = tl.program_id(2)
+        kv_heads = tl.num_programs(1)
+        g = tl.arange(0, GROUP_P2)
+        d = tl.arange(0, HEAD_DIM)
+        live = g < GROUP
+        head = kv * GROUP + g
+        q_at = (row * kv_heads * GROUP + head)[:, None] * HEAD_DIM + d[None, :]
+        q = tl.load(q_ptr + q_at, mask=live[:, None], other=0.0).to(tl.float32)
+        length = tl.load(lengths_ptr + row)
+        start = part * SPAN
+        end = tl.minimum(length, start + SPAN)
+        top = tl.full([GROUP_P2], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_P2], tl.float32)
+        acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
+        base = kv.to(tl.int64) * slots * HEAD_DIM
+        for first in range(start, end, CHUNK):
+            position = first + tl.arange(0, CHUNK)
+            valid = position < end
+            block = tl.load(tables_ptr + row * width + position // BLOCK, mask=valid, other=0)
+            slot = block.to(tl.int64) * BLOCK + position % BLOCK
+            at = base + slot[:, None] * HEAD_DIM + d[None, :]
+            k = tl.load(k_ptr + at, mask=valid[:, None], other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + at, mask=valid[:, None], other=0.0).to(tl.float32)
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            new_top = tl.maximum(top, tl.max(scores, axis=1))
+            scale = tl.exp(top - new_top)
+            p = tl.exp(scores - new_top[:, None])
+            total = total * scale + tl.sum(p, axis=1)
+            acc = acc * scale[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            top = new_top
+        out = ((row * kv_heads + kv) * spans + part) * GROUP_P2 + g
+        tl.store(top_ptr + out, top)
+        tl.store(total_ptr + out, total)
+        tl.store(acc_ptr + out[:, None] * HEAD_DIM + d[None, :], acc)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def join(  # type: ignore[no-untyped-def]
+        top_ptr, total_ptr, acc_ptr, out_ptr, spans,
+        HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        kv = tl.program_id(1)
+        kv_heads = tl.num_programs(1)
+        g = tl.arange(0, GROUP_P2)
+        d = tl.arange(0, HEAD_DIM)
+        first = (row * kv_heads + kv) * spans
+        best = tl.full([GROUP_P2], float("-inf"), tl.float32)
+        for s in range(0, spans):
+            best = tl.maximum(best, tl.load(top_ptr + (first + s) * GROUP_P2 + g))
+        weight_sum = tl.zeros([GROUP_P2], tl.float32)
+        acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
+        for s in range(0, spans):  # in span order: the same sum whatever the batch
+            at = (first + s) * GROUP_P2 + g
+            scale = tl.exp(tl.load(top_ptr + at) - best)  # an empty span: exp(-inf) = 0
+            weight_sum += tl.load(total_ptr + at) * scale
+            acc += tl.load(acc_ptr + at[:, None] * HEAD_DIM + d[None, :]) * scale[:, None]
+        result = acc / weight_sum[:, None]
+        head = kv * GROUP + g
+        out_at = (row * kv_heads * GROUP + head)[:, None] * HEAD_DIM + d[None, :]
+        live = g < GROUP
+        tl.store(out_ptr + out_at, result.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+    return partial, join

@@ -1,0 +1,143 @@
+"""The decode step at fixed shapes, replayed as CUDA graphs on a GPU.
+
+On a GPU the eager decode step is host-bound: a few hundred small kernels
+launched one by one from Python each step. Here the step's inputs live in
+static device buffers (token ids, positions, block tables padded to the
+widest a sequence can have), the forward pass reads nothing else, and on
+CUDA one graph per batch size of BUCKETS (up to the engine's rows) is
+captured at start and replayed each step: one copy of the inputs to the
+device, one replay, and the logits are read where the graph wrote them.
+
+A step of n rows runs the smallest bucket that holds n; the rows past n are
+padding: token 0 at position 0 through a table of nothing but the runner's
+scratch block (a block no sequence is ever given), so they write and read
+only that block and never touch a live cache entry. Attention reads each
+row up to its own length (paged_attention.py; the kind is chosen at start by
+measurement).
+
+Without capture (CPU, or `graphs=False`) the same function runs eagerly on
+the same buffers: that is how the CPU tests check the padded step against
+the eager one token for token, and the eager fallback on a GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from adapters.engine.llama import LlamaRunner
+from adapters.engine.paged_attention import GatherAttention, TritonAttention
+
+SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32)
+BUCKET_STEP = 32  # past SMALL_BUCKETS, every multiple of this up to the row limit
+
+
+def buckets(rows: int) -> list[int]:
+    """The batch sizes captured for an engine of at most `rows` rows (rows included)."""
+    sizes = [size for size in SMALL_BUCKETS if size < rows]
+    sizes += list(range(BUCKET_STEP * 2, rows, BUCKET_STEP))
+    return [*sizes, rows]
+
+
+class StaticDecode:
+    """Decode steps of up to `rows` rows on `runner` at fixed shapes."""
+
+    def __init__(
+        self,
+        runner: LlamaRunner,
+        rows: int,
+        attention: GatherAttention | TritonAttention,
+        graphs: bool,
+        say: Callable[[str], None] = lambda line: None,
+    ) -> None:
+        self.runner = runner
+        self.attention = attention
+        self.sizes = buckets(rows)
+        self.width = -(-runner.max_context // runner.block_size)
+        device = runner.device
+        most = self.sizes[-1]
+        pin = device.type == "cuda"
+        # Host side: filled by the step, copied in one go (pinned: the copy does not wait).
+        self._host = torch.zeros((most, 2 + self.width), dtype=torch.int64, pin_memory=pin)
+        self._inputs = torch.zeros((most, 2 + self.width), dtype=torch.int64, device=device)
+        self._host[:, 2:] = runner.scratch_block
+        self._inputs.copy_(self._host)
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._graphs: dict[int, Any] = {}
+        if graphs:
+            self._capture(say)
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
+
+    def run(self, tables: list[list[int]], positions: list[int], tokens: list[int]) -> torch.Tensor:
+        """Logits [rows, vocab] of one decode step: each row's token at its position,
+        written and attended through its block table. The result is a view of a
+        buffer the next step overwrites: use it before then."""
+        rows = len(tokens)
+        size = next((s for s in self.sizes if s >= rows), None)
+        if size is None:
+            raise ValueError(f"{rows} rows is more than the {self.sizes[-1]} of this step")
+        block_size, scratch = self.runner.block_size, self.runner.scratch_block
+        used = max(positions) // block_size + 1  # table entries the widest row reads
+        lines = [
+            [token, position, *table[:used], *[scratch] * (used - len(table[:used]))]
+            for table, position, token in zip(tables, positions, tokens, strict=True)
+        ]
+        host = self._host
+        # Past `used` a row keeps whatever ids an earlier step left: read by no row's length.
+        host[:rows, : 2 + used] = torch.tensor(lines)
+        host[rows:size, :2] = 0  # padding: token 0 at position 0 in the scratch block
+        host[rows:size, 2:] = scratch
+        self._inputs[:size].copy_(host[:size], non_blocking=True)
+        graph = self._graphs.get(size)
+        if graph is None:
+            logits: torch.Tensor = self._forward(size)
+            return logits[:rows]
+        graph.replay()
+        return self._outputs[size][:rows]
+
+    @torch.inference_mode()
+    def _forward(self, size: int) -> torch.Tensor:
+        inputs = self._inputs[:size]
+        tokens, positions, tables = inputs[:, 0], inputs[:, 1], inputs[:, 2:]
+        attend = self.attention.bind(tables, positions + 1)
+        return self.runner.forward_static(tokens, positions, tables, attend)
+
+    def _capture(self, say: Callable[[str], None]) -> None:
+        """One graph per bucket, largest first, all in one memory pool (a graph's
+        temporaries are free again once it ends, so the smaller ones reuse them)."""
+        device = self.runner.device
+        began = time.perf_counter()
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        free_before = torch.cuda.mem_get_info(device)[0]
+        pool = None
+        for size in reversed(self.sizes):
+            side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):  # warm up: triton compiles, the allocator settles
+                for _ in range(2):
+                    self._forward(size)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._outputs[size] = self._forward(size)
+            pool = graph.pool()
+            self._graphs[size] = graph
+        torch.cuda.synchronize(device)
+        held = torch.cuda.memory_allocated(device) - before
+        taken = free_before - torch.cuda.mem_get_info(device)[0]
+        say(
+            f"decode graphs: {len(self.sizes)} batch sizes ({self._size_list()}) captured in "
+            f"{time.perf_counter() - began:.1f} s, {self.attention.name} attention; "
+            f"outputs hold {held / 2**20:.0f} MiB, the device {taken / 2**20:.0f} MiB more"
+        )
+
+    def _size_list(self) -> str:
+        sizes = self.sizes
+        return ", ".join(map(str, sizes)) if len(sizes) <= 10 else f"{sizes[0]}..{sizes[-1]}"

@@ -1,0 +1,170 @@
+"""The fixed-shape decode step (what a GPU captures as graphs) and its attention, on CPU.
+
+The padded step must give the eager step's tokens; its padding rows must
+never touch a live cache entry; the triton kernel (run by triton's
+interpreter here) must attend as the torch gather does, and a row's result
+must not depend on the rows beside it. (tests/conftest.py puts triton in
+interpreter mode for the whole run.)
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from adapters.engine.engine import Engine
+from adapters.engine.llama import LlamaRunner
+from adapters.engine.model import LoadedModel
+from adapters.engine.paged_attention import (
+    GatherAttention,
+    TritonAttention,
+    choose_attention,
+    triton_problem,
+)
+from adapters.engine.static_decode import StaticDecode, buckets
+from core.batching import BatchLimits
+from core.protocol import GenerationRequest, Sampling
+from tests.test_engine import PROMPTS, run, tiny_llama
+
+triton = pytest.importorskip("triton", reason="triton (a dev dependency) runs the kernel here")
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LlamaForCausalLM:
+    return tiny_llama()
+
+
+def engine(model: LlamaForCausalLM, max_seqs: int = 4, **options: str) -> Engine:
+    limits = BatchLimits(max_seqs=max_seqs, max_context=128, max_step_tokens=16)
+    loaded = LoadedModel(model, None, "tiny", frozenset(), 128, "built in the test")
+    return Engine(loaded, limits, **options)  # type: ignore[arg-type]
+
+
+def test_buckets_cover_every_batch_size_up_to_the_rows() -> None:
+    assert buckets(1) == [1]
+    assert buckets(5) == [1, 2, 4, 5]
+    assert buckets(256) == [1, 2, 4, 8, 16, 24, 32, *range(64, 257, 32)]
+    assert buckets(100) == [1, 2, 4, 8, 16, 24, 32, 64, 96, 100]
+
+
+REQUESTS = [
+    *(GenerationRequest(f"g{i}", p, 18) for i, p in enumerate(PROMPTS)),
+    GenerationRequest("s", PROMPTS[0], 21, Sampling(1.0, 0.9, 1234)),
+    GenerationRequest("t", PROMPTS[2], 15, Sampling(0.7, 1.0, 7)),
+]
+
+
+@pytest.mark.parametrize("attention", ["gather", "triton"])
+def test_the_padded_step_gives_the_eager_steps_tokens(
+    tiny: LlamaForCausalLM, attention: str
+) -> None:
+    """Five requests over four rows: steps of 1 to 4 rows, padded to buckets 1, 2, 4,
+    requests joining and leaving, greedy and seeded sampling."""
+    eager = run(engine(tiny), REQUESTS)
+    padded = run(engine(tiny, decode="static", attention=attention), REQUESTS)
+    assert padded == eager
+
+
+def test_a_continuation_through_the_padded_step_goes_on_exactly(tiny: LlamaForCausalLM) -> None:
+    whole = run(engine(tiny, decode="static", attention="triton"), REQUESTS[:4])
+    cuts = (1, 5, 9, 13)
+    resumed = [
+        msgspec.structs.replace(r, output_prefix=tuple(int(t) for t in whole[r.request_id][:k]))  # type: ignore[call-overload]
+        for r, k in zip(REQUESTS[:4], cuts, strict=True)
+    ]
+    again = run(engine(tiny, decode="static", attention="triton"), resumed)
+    for r, k in zip(REQUESTS[:4], cuts, strict=True):
+        assert again[r.request_id] == whole[r.request_id][k:]
+
+
+def test_padding_rows_touch_only_the_scratch_block(tiny: LlamaForCausalLM) -> None:
+    runner = LlamaRunner(tiny, num_blocks=12, block_size=16, max_context=128)
+    generator = torch.Generator().manual_seed(3)
+    runner.k_cache.copy_(torch.randn(runner.k_cache.shape, generator=generator))
+    runner.v_cache.copy_(torch.randn(runner.v_cache.shape, generator=generator))
+    before_k, before_v = runner.k_cache.clone(), runner.v_cache.clone()
+    step = StaticDecode(runner, 8, GatherAttention(4, 2, 16, 16), graphs=False)
+    tables = [[3, 4], [7], [0, 9, 2]]
+    positions = [20, 5, 40]
+    logits = step.run(tables, positions, [5, 6, 7])  # 3 rows run in the bucket of 4
+    assert logits.shape == (3, runner.vocab_size)
+    written = {table[p // 16] * 16 + p % 16 for table, p in zip(tables, positions, strict=True)}
+    scratch = range(runner.scratch_block * 16, (runner.scratch_block + 1) * 16)
+    for slot in range(runner.k_cache.shape[2]):
+        if slot in written:
+            assert not torch.equal(runner.k_cache[:, :, slot], before_k[:, :, slot])
+        elif slot not in scratch:
+            assert torch.equal(runner.k_cache[:, :, slot], before_k[:, :, slot]), slot
+            assert torch.equal(runner.v_cache[:, :, slot], before_v[:, :, slot]), slot
+    assert not torch.equal(runner.k_cache[:, :, scratch[0]], before_k[:, :, scratch[0]])
+
+
+def _random_case(
+    kv_heads: int, group: int, dim: int, lengths: list[int], seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, one layer's k and v caches, tables and lengths: tables of random distinct
+    blocks (not runs), the first two rows sharing their first block."""
+    block, blocks = 16, 80
+    generator = torch.Generator().manual_seed(seed)
+    width = max(-(-n // block) for n in lengths)
+    q = torch.randn(len(lengths), kv_heads * group, dim, generator=generator)
+    k_cache = torch.randn(kv_heads, blocks * block, dim, generator=generator)
+    v_cache = torch.randn(kv_heads, blocks * block, dim, generator=generator)
+    tables = torch.stack([torch.randperm(blocks, generator=generator)[:width] for _ in lengths])
+    tables[1, 0] = tables[0, 0]
+    return q, k_cache, v_cache, tables, torch.tensor(lengths)
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "group", "dim"),
+    [(2, 2, 16), (3, 3, 32), (1, 4, 64)],  # group 3: query heads padded to 4 in the kernel
+)
+def test_the_triton_kernel_attends_as_the_torch_gather(kv_heads: int, group: int, dim: int) -> None:
+    lengths = [1, 16, 17, 300, 600, 37]  # one position, a block's end, past one span, three
+    q, k_cache, v_cache, tables, lengths_t = _random_case(kv_heads, group, dim, lengths, dim)
+    heads = kv_heads * group
+    kernel = TritonAttention(heads, kv_heads, dim, 16, max_context=640)
+    assert kernel.spans == 3  # spans of 256 positions: the 600-position row uses all three
+    gather = GatherAttention(heads, kv_heads, dim, 16)
+    got = kernel.bind(tables, lengths_t)(q, k_cache, v_cache)
+    want = gather.bind(tables, lengths_t)(q, k_cache, v_cache)
+    assert got.shape == want.shape == (len(lengths), heads * dim)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_rows_attention_does_not_depend_on_its_batch() -> None:
+    lengths = [300, 5, 128, 64]
+    q, k_cache, v_cache, tables, lengths_t = _random_case(2, 4, 32, lengths, 11)
+    kernel = TritonAttention(8, 2, 32, 16, max_context=512)
+    together = kernel.bind(tables, lengths_t)(q, k_cache, v_cache)
+    for row in range(len(lengths)):
+        alone = kernel.bind(tables[row : row + 1], lengths_t[row : row + 1])
+        assert torch.equal(alone(q[row : row + 1], k_cache, v_cache)[0], together[row])
+
+
+def test_shapes_the_kernel_cannot_take_are_named() -> None:
+    assert triton_problem(9, 3, 64) is None
+    assert "head size 48" in str(triton_problem(8, 2, 48))
+    assert "do not group" in str(triton_problem(9, 2, 64))
+    with pytest.raises(ValueError, match="head size"):
+        TritonAttention(8, 2, 48, 16, 128)
+
+
+def test_choosing_on_cpu_takes_the_gather_and_says_why(tiny: LlamaForCausalLM) -> None:
+    runner = LlamaRunner(tiny, num_blocks=12, block_size=16, max_context=128)
+    said: list[str] = []
+    assert choose_attention(runner, 4, said.append).name == "gather"
+    assert said == ["decode attention: no triton candidate (the kernel is compiled for CUDA, "
+                    "not cpu)"]  # fmt: skip
+
+
+def test_decode_paths_the_engine_cannot_run_are_refused(tiny: LlamaForCausalLM) -> None:
+    with pytest.raises(ValueError, match="need a CUDA device"):
+        engine(tiny, decode="graphs")
+    with pytest.raises(ValueError, match="unknown decode path"):
+        engine(tiny, decode="fast")
+    with pytest.raises(ValueError, match="unknown attention"):
+        engine(tiny, decode="static", attention="flash")
+    assert engine(tiny).static is None  # auto on CPU: the eager step
