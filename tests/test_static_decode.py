@@ -109,7 +109,8 @@ def _random_case(
     block, blocks = 16, 80
     generator = torch.Generator().manual_seed(seed)
     width = max(-(-n // block) for n in lengths)
-    q = torch.randn(len(lengths), kv_heads * group, dim, generator=generator)
+    heads = kv_heads * group  # q as the runner hands it: the first heads of q and k
+    q = torch.randn(len(lengths), heads + kv_heads, dim, generator=generator)[:, :heads]
     k_cache = torch.randn(kv_heads, blocks * block, dim, generator=generator)
     v_cache = torch.randn(kv_heads, blocks * block, dim, generator=generator)
     tables = torch.stack([torch.randperm(blocks, generator=generator)[:width] for _ in lengths])

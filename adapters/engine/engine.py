@@ -186,6 +186,9 @@ class Engine:
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.runner = LlamaRunner(loaded.model, num_blocks, block_size, limits.max_context, weights)
         self.device = self.runner.device
+        if self.device.type == "cuda":
+            fused = self.runner.fused_problem
+            say(f"elementwise kernels: {'fused (triton)' if fused is None else f'torch ({fused})'}")
         self.static = self._static_decode(decode, attention)
         self._keys = 0
         self._waiting: dict[int, _Sequence] = {}  # in queue order

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from adapters.engine.fused import fused_problem, rms_norm, rotate, silu_gate
 from adapters.engine.weights import (
     FORMATS,
     Projection,
@@ -118,6 +119,7 @@ class LlamaRunner:
         block_size: int,
         max_context: int,
         weights: str = "fp32",
+        fused: bool | None = None,
     ) -> None:
         _check_supported(model)
         if weights not in FORMATS:
@@ -138,6 +140,13 @@ class LlamaRunner:
         self.embed, self.final_norm, self.lm_head, self.layers = _load_weights(
             model, weights, self.state_dtype, self.head_dim**-0.5
         )
+        # Norms, rotary and the SiLU gate as one triton kernel each (fused.py): on CUDA
+        # by default; fused=True forces them (the tests, through triton's interpreter).
+        hidden = int(config.hidden_size)
+        self.fused_problem = None if fused else fused_problem(self.device, hidden, self.head_dim)
+        if fused is False:
+            self.fused_problem = "not asked for"
+        self.fused = self.fused_problem is None
         half = self.head_dim // 2
         inv_freq = 1.0 / (
             _rope_theta(config)
@@ -419,21 +428,27 @@ class LlamaRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k (rotated together, one pass) and v, [rows, heads or kv_heads, dim]."""
         rows = x.shape[0]
-        fused = layer.qkv(_rms_norm(x, layer.input_norm, self.eps, self.dtype))
+        fused = layer.qkv(self._norm(x, layer.input_norm))
         fused = fused.to(self.state_dtype)
-        qk = _rotate(
-            fused[:, : self._q_size + self._kv_size].view(rows, -1, self.head_dim), cos, sin
-        )
+        qk = fused[:, : self._q_size + self._kv_size].view(rows, -1, self.head_dim)
+        qk = rotate(qk, cos[:, 0], sin[:, 0]) if self.fused else _rotate(qk, cos, sin)
         v = fused[:, self._q_size + self._kv_size :].view(rows, self.kv_heads, self.head_dim)
         return qk[:, : self.heads], qk[:, self.heads :], v
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        normed = _rms_norm(x, layer.post_norm, self.eps, self.dtype)
-        gate, up = layer.gate_up(normed).chunk(2, dim=-1)
+        gate_up = layer.gate_up(self._norm(x, layer.post_norm))
+        if self.fused:
+            return layer.down(silu_gate(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return layer.down(F.silu(gate) * up)
 
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return rms_norm(x, weight, self.eps, self.dtype)
+        return _rms_norm(x, weight, self.eps, self.dtype)
+
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(_rms_norm(x, self.final_norm, self.eps, self.dtype)).float()
+        return self.lm_head(self._norm(x, self.final_norm)).float()
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.dtype) -> torch.Tensor:

@@ -19,7 +19,8 @@ ways to spend that, chosen at start by measuring both on the device
   alone, so a row's result is the same in any batch (no split chosen by how
   busy the step is). Programs past a row's length exit at once.
 
-Both take q [rows, heads, dim] (already scaled by 1/sqrt(dim)) and one
+Both take q [rows, heads, dim] (already scaled by 1/sqrt(dim); rows may be
+strided, as the query part of the rotated q and k is) and one
 layer's cache [kv_heads, slots, dim], and give [rows, heads * dim].
 `bind(tables, lengths)` does the per-step work once (the mask, the span
 grid) and returns the per-layer function.
@@ -112,12 +113,12 @@ class TritonAttention:
         lengths = lengths.to(torch.int32).contiguous()
 
         def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-            q = q.contiguous()
+            assert q.stride(2) == 1 and q.stride(1) == self.head_dim, "heads, dims contiguous"
             out = torch.empty((rows, self.heads * self.head_dim), dtype=q.dtype, device=device)
             slots = k_cache.shape[1]
             partial[(rows, self.kv_heads, self.spans)](
                 q, k_cache, v_cache, tables, lengths, top, total, acc,
-                slots, width, self.spans,
+                q.stride(0), slots, width, self.spans,
                 HEAD_DIM=self.head_dim, GROUP=self.group, GROUP_P2=self.group_p2,
                 BLOCK=self.block_size, SPAN=self.span, CHUNK=CHUNK,
             )  # fmt: skip
@@ -236,7 +237,7 @@ def _kernels() -> tuple[Any, Any]:
     @triton.jit  # type: ignore[untyped-decorator]
     def partial(  # type: ignore[no-untyped-def]
         q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, top_ptr, total_ptr, acc_ptr,
-        slots, width, spans,
+        q_stride, slots, width, spans,
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
         BLOCK: tl.constexpr, SPAN: tl.constexpr, CHUNK: tl.constexpr,
     ):  # fmt: skip
@@ -248,7 +249,7 @@ def _kernels() -> tuple[Any, Any]:
         d = tl.arange(0, HEAD_DIM)
         live = g < GROUP
         head = kv * GROUP + g
-        q_at = (row * kv_heads * GROUP + head)[:, None] * HEAD_DIM + d[None, :]
+        q_at = row * q_stride + head[:, None] * HEAD_DIM + d[None, :]
         q = tl.load(q_ptr + q_at, mask=live[:, None], other=0.0).to(tl.float32)
         length = tl.load(lengths_ptr + row)
         start = part * SPAN

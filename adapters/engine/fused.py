@@ -1,0 +1,140 @@
+"""One kernel each for the forward pass's elementwise work on a GPU (triton).
+
+On a GPU every torch op is a kernel of its own. RMSNorm written as torch ops
+is six (square, mean, add, rsqrt, two products), rotary embeddings five
+(negate, concatenate, two products, add) and the SiLU gate two, so of about
+32 kernels a layer runs per decode step, 19 are these; inside a CUDA graph
+each still costs its launch and a pass over memory. Here each of the three
+is one kernel that reads its inputs once, computes in fp32 and rounds once.
+
+Used on CUDA whenever triton is there and the shape fits (`fused_problem`),
+by prefill and decode alike, so that a position prefilled and one decoded go
+through the same arithmetic; FENCEPOST_FUSED=off leaves them out (the start
+log says which). CPU keeps torch's ops. The kernels are built at first use;
+the tests run them through triton's interpreter against the torch ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+SILU_BLOCK = 1024  # gate columns per program
+
+
+def fused_problem(device: torch.device, hidden: int, head_dim: int) -> str | None:
+    """Why the fused kernels are not used for this model on this device, or None."""
+    if os.environ.get("FENCEPOST_FUSED", "").lower() == "off":
+        return "FENCEPOST_FUSED=off"
+    if device.type != "cuda":
+        return f"the kernels are for CUDA, not {device.type}"
+    return fused_shape_problem(hidden, head_dim)
+
+
+def fused_shape_problem(hidden: int, head_dim: int) -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    if head_dim < 4 or head_dim & (head_dim - 1):
+        return f"head size {head_dim} is not a power of two"
+    if hidden > 32768:
+        return f"hidden size {hidden} is wider than one program's row"
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.dtype) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim of x [rows, hidden], in `out`."""
+    kernels = _kernels()
+    x = x.contiguous()
+    rows, width = x.shape
+    result = torch.empty((rows, width), dtype=out, device=x.device)
+    block = _next_pow2(width)
+    kernels.rms_norm[(rows,)](x, weight, result, width, eps, BLOCK=block, num_warps=_warps(block))
+    return result
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [rows, heads, dim] (rows may be strided; heads and dim
+    contiguous) by each row's cos and sin [rows, dim] (both halves equal, as the
+    runner builds them) -> a new contiguous [rows, heads, dim]."""
+    kernels = _kernels()
+    rows, heads, dim = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == dim, "heads and dims must be contiguous"
+    out = torch.empty((rows, heads, dim), dtype=x.dtype, device=x.device)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    kernels.rotate[(rows, heads)](x, cos, sin, out, x.stride(0), HALF=dim // 2)
+    return out
+
+
+def silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [rows, 2 * width] = [gate | up] -> [rows, width]."""
+    kernels = _kernels()
+    gate_up = gate_up.contiguous()
+    rows, both = gate_up.shape
+    width = both // 2
+    out = torch.empty((rows, width), dtype=gate_up.dtype, device=gate_up.device)
+    grid = (rows, -(-width // SILU_BLOCK))
+    kernels.silu_gate[grid](gate_up, out, width, BLOCK=SILU_BLOCK)
+    return out
+
+
+def _next_pow2(value: int) -> int:
+    return 1 << max(0, (value - 1).bit_length())
+
+
+def _warps(block: int) -> int:
+    return max(1, min(16, block // 256))
+
+
+class _Kernels:
+    def __init__(self, rms: Any, rot: Any, silu: Any) -> None:
+        self.rms_norm, self.rotate, self.silu_gate = rms, rot, silu
+
+
+@functools.cache
+def _kernels() -> _Kernels:
+    import triton
+    import triton.language as tl
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def rms_norm_kernel(x_ptr, w_ptr, out_ptr, width, eps, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < width
+        x = tl.load(x_ptr + row * width + cols, mask=inside, other=0.0).to(tl.float32)
+        scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / width + eps)
+        w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        y = x * scale * w
+        tl.store(out_ptr + row * width + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def rotate_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, row_stride, HALF: tl.constexpr):  # type: ignore[no-untyped-def]
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        heads = tl.num_programs(1)
+        i = tl.arange(0, HALF)
+        at = x_ptr + row * row_stride + head * (2 * HALF)
+        x1 = tl.load(at + i).to(tl.float32)
+        x2 = tl.load(at + HALF + i).to(tl.float32)
+        c = tl.load(cos_ptr + row * (2 * HALF) + i).to(tl.float32)
+        s = tl.load(sin_ptr + row * (2 * HALF) + i).to(tl.float32)
+        to = out_ptr + (row * heads + head) * (2 * HALF)
+        kind = out_ptr.dtype.element_ty
+        tl.store(to + i, (x1 * c - x2 * s).to(kind))
+        tl.store(to + HALF + i, (x2 * c + x1 * s).to(kind))
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def silu_gate_kernel(x_ptr, out_ptr, width, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < width
+        gate = tl.load(x_ptr + row * 2 * width + cols, mask=inside, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * 2 * width + width + cols, mask=inside, other=0.0).to(tl.float32)
+        y = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + row * width + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
+
+    return _Kernels(rms_norm_kernel, rotate_kernel, silu_gate_kernel)

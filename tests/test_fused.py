@@ -1,0 +1,73 @@
+"""The fused elementwise kernels (adapters/engine/fused.py) against the torch ops they
+replace, run by triton's interpreter (tests/conftest.py), and the engine through them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaForCausalLM
+
+from adapters.engine import llama
+from adapters.engine.fused import fused_problem, rms_norm, rotate, silu_gate
+from adapters.engine.llama import _rms_norm, _rotate
+from core.protocol import GenerationRequest, Sampling
+from tests.test_engine import PROMPTS, engine, run, tiny_llama
+
+triton = pytest.importorskip("triton", reason="triton (a dev dependency) runs the kernels here")
+
+
+def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("width", [64, 576, 2048])  # 576: the default model, not a power of 2
+def test_rms_norm_is_the_torch_norm(width: int) -> None:
+    x, weight = _randn(5, width) * 3, _randn(width, seed=1)
+    want = _rms_norm(x, weight, 1e-5, torch.float32)
+    torch.testing.assert_close(rms_norm(x, weight, 1e-5, torch.float32), want)
+    halved = rms_norm(x, weight, 1e-5, torch.bfloat16)
+    assert halved.dtype == torch.bfloat16
+    torch.testing.assert_close(halved.float(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_rotate_is_the_torch_rotary_on_a_strided_view() -> None:
+    rows, heads, dim = 4, 6, 32
+    fused_rows = _randn(rows, (heads + 2) * dim)  # qk and v side by side, as after qkv
+    x = fused_rows[:, : heads * dim].view(rows, heads, dim)
+    angles = _randn(rows, dim // 2, seed=2)
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos(), angles.sin()
+    want = _rotate(x, cos[:, None, :], sin[:, None, :])
+    torch.testing.assert_close(rotate(x, cos, sin), want)
+
+
+@pytest.mark.parametrize("width", [128, 1536, 2500])
+def test_silu_gate_is_silu_of_gate_times_up(width: int) -> None:
+    gate_up = _randn(3, 2 * width) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_gate(gate_up), F.silu(gate) * up)
+
+
+def test_the_engine_through_the_fused_kernels_gives_the_same_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model: LlamaForCausalLM = tiny_llama()
+    requests = [
+        *(GenerationRequest(f"g{i}", p, 12) for i, p in enumerate(PROMPTS)),
+        GenerationRequest("s", PROMPTS[0], 12, Sampling(1.0, 0.9, 5)),
+    ]
+    plain = run(engine(model), requests)
+    monkeypatch.setattr(llama, "fused_problem", lambda *args: None)
+    fused = engine(model)
+    assert fused.runner.fused
+    assert run(fused, requests) == plain
+
+
+def test_cpu_and_a_switch_leave_the_kernels_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert "not cpu" in str(fused_problem(torch.device("cpu"), 64, 16))
+    monkeypatch.setenv("FENCEPOST_FUSED", "off")
+    assert fused_problem(torch.device("cuda"), 64, 16) == "FENCEPOST_FUSED=off"
+    monkeypatch.delenv("FENCEPOST_FUSED")
+    assert "head size 48" in str(fused_problem(torch.device("cuda"), 64, 48))
+    assert fused_problem(torch.device("cuda"), 4096, 128) is None
