@@ -15,9 +15,10 @@ import torch
 from transformers import LlamaForCausalLM
 
 from adapters.engine.engine import Engine
-from adapters.engine.llama import LlamaRunner
+from adapters.engine.llama import Chunk, LlamaRunner
 from adapters.engine.model import LoadedModel
 from adapters.engine.paged_attention import (
+    Attend,
     GatherAttention,
     TritonAttention,
     choose_attention,
@@ -169,3 +170,30 @@ def test_decode_paths_the_engine_cannot_run_are_refused(tiny: LlamaForCausalLM) 
     with pytest.raises(ValueError, match="unknown attention"):
         engine(tiny, decode="static", attention="flash")
     assert engine(tiny).static is None  # auto on CPU: the eager step
+
+
+def test_a_packed_prefill_row_by_row_is_the_per_chunk_prefill(tiny: LlamaForCausalLM) -> None:
+    """Three chunks (one starting past a cached prefix) through the triton kernel one row
+    per token, against the per-chunk attention: the same logits, the same cache."""
+    tables = [[0, 1, 2], [5, 3], [7]]
+    starts = [0, 16, 0]
+    prompts = [torch.arange(3, 40), torch.arange(50, 61), torch.arange(1, 9)]
+    bound: list[int] = []  # rows of each call through the kernel
+
+    class Counted(TritonAttention):
+        def bind(self, tables: torch.Tensor, lengths: torch.Tensor) -> Attend:
+            bound.append(tables.shape[0])
+            return super().bind(tables, lengths)
+
+    runners = []
+    for rowwise in (False, True):
+        runner = LlamaRunner(tiny, num_blocks=12, block_size=16, max_context=128)
+        if rowwise:
+            runner.row_attention = Counted(4, 2, 16, 16, max_context=128)
+        runner.prefill([5, 3], 0, torch.arange(20, 36))  # the second chunk's cached prefix
+        chunks = [Chunk(t, s, p) for t, s, p in zip(tables, starts, prompts, strict=True)]
+        runners.append((runner, runner.prefill_packed(chunks, [36, 47, 55])))
+    (plain, want), (rowwise, got) = runners
+    assert bound == [16, 37 + 11 + 8]  # the cached prefix's prefill, then all three chunks
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rowwise.k_cache, plain.k_cache, rtol=1e-5, atol=1e-5)

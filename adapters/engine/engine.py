@@ -227,6 +227,8 @@ class Engine:
         else:
             shape = (runner.heads, runner.kv_heads, runner.head_dim, runner.block_size)
             chosen = make_attention(attention, *shape, runner.max_context)
+        if chosen.name == "triton":  # short prefills attend through it too, row by row
+            runner.row_attention = chosen
         return StaticDecode(runner, rows, chosen, graphs=decode == "graphs", say=say)
 
     # --- commands ---

@@ -36,6 +36,11 @@ from adapters.engine.weights import (
     projection,
 )
 
+# A prefill attends row by row (row_attention) when its rows read at most this many
+# positions together: each row reads its whole prefix, so the work grows with the
+# square of a chunk's length, where the per-chunk SDPA's does not (a bound by arithmetic:
+# 2^17 positions of the 8B shape are 0.5 GB of keys and values a layer, mostly cached).
+ROW_ATTENTION_POSITIONS = 1 << 17
 DEFAULT_BLOCK_SIZE = 16  # positions per KV block, chosen by measurement (engine.md)
 # On CPU, decode attention gathers at most this many bytes of keys and values at
 # once; more rows are attended in groups, so that what a gather writes is still in
@@ -147,6 +152,9 @@ class LlamaRunner:
         if fused is False:
             self.fused_problem = "not asked for"
         self.fused = self.fused_problem is None
+        # Set by the engine when its decode attention is paged_attention.py's kernel:
+        # prefills that read few enough positions then attend row by row through it.
+        self.row_attention: Any = None
         half = self.head_dim // 2
         inv_freq = 1.0 / (
             _rope_theta(config)
@@ -240,7 +248,19 @@ class LlamaRunner:
         """decode() at fixed shapes, for static_decode.py: every input a tensor of a
         size fixed per batch size (tables [rows, widest]), no Python value read from
         the device, attention by `attend` (paged_attention.py). -> logits [rows, vocab]."""
-        x = self.embed[tokens]
+        return self._forward_rows(self.embed[tokens], positions, tables, attend, None)
+
+    def _forward_rows(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        tables: torch.Tensor,
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        rows: Sequence[int] | None,
+    ) -> torch.Tensor:
+        """The layers over rows x (embedded tokens), each at its position through its table:
+        every row's key and value written, then attention by `attend` -> logits of `rows`
+        (None: all)."""
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         writes = self._slots(tables, positions[:, None])[:, 0]
         for index, layer in enumerate(self.layers):
@@ -250,7 +270,11 @@ class LlamaRunner:
             v_cache[:, writes] = v.transpose(0, 1)
             x = x + layer.o(attend(q, k_cache, v_cache).to(self.dtype))
             x = x + self._mlp(x, layer)
-        return self._logits(x)
+        if rows is None:
+            return self._logits(x)
+        if not rows:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        return self._logits(x[torch.tensor(list(rows), device=self.device)])
 
     @torch.inference_mode()
     def prefill(
@@ -281,6 +305,9 @@ class LlamaRunner:
             raise ValueError("prefill_packed needs at least one token")
         if self._native is not None:
             return self._native_prefill(chunks, rows)
+        reads = sum(c.tokens.shape[0] * (2 * c.start + c.tokens.shape[0] + 1) // 2 for c in chunks)
+        if self.row_attention is not None and reads <= ROW_ATTENTION_POSITIONS:
+            return self._prefill_by_rows(chunks, rows, self.row_attention)
         x = self.embed[torch.cat([chunk.tokens for chunk in chunks])]
         spans = []
         for chunk in chunks:
@@ -314,6 +341,29 @@ class LlamaRunner:
             return torch.empty(0, self.vocab_size, device=self.device)
         picked = torch.tensor(list(rows), device=self.device)
         return self._logits(x[picked])
+
+    def _prefill_by_rows(
+        self, chunks: list[Chunk], rows: Sequence[int], attention: Any
+    ) -> torch.Tensor:
+        """prefill_packed with attention row by row: every token of every chunk is a row
+        with its own position and its sequence's table, attended in one call per layer
+        (`attention`, paged_attention.py's kernel, as decode steps run it) instead of
+        one call per chunk. The tables go to the device once, per chunk, and are spread
+        to the rows there."""
+        counts = [chunk.tokens.shape[0] for chunk in chunks]
+        width = max(
+            -(-(c.start + n) // self.block_size) for c, n in zip(chunks, counts, strict=True)
+        )
+        per_chunk = [c.table[:width] + [0] * (width - len(c.table[:width])) for c in chunks]
+        tables = torch.tensor(per_chunk, device=self.device).repeat_interleave(
+            torch.tensor(counts, device=self.device), dim=0, output_size=sum(counts)
+        )
+        positions = torch.cat(
+            [torch.arange(c.start, c.start + n) for c, n in zip(chunks, counts, strict=True)]
+        )
+        positions = positions.to(self.device)
+        x = self.embed[torch.cat([chunk.tokens for chunk in chunks])]
+        return self._forward_rows(x, positions, tables, attention.bind(tables, positions + 1), rows)
 
     def _native_prefill(self, chunks: list[Chunk], rows: Sequence[int]) -> torch.Tensor:
         """prefill_packed through the fused native pass: one row per chunk token, at its
