@@ -17,7 +17,8 @@ ways to spend that, chosen at start by measuring both on the device
   the query heads sharing that key head, and a second kernel joins the
   spans' partial results in span order. The spans depend on a row's length
   alone, so a row's result is the same in any batch (no split chosen by how
-  busy the step is). Programs past a row's length exit at once.
+  busy the step is). A program whose span lies past its row's length reads
+  and stores nothing, and the join reads only the spans a row uses.
 
 Both take q [rows, heads, dim] (already scaled by 1/sqrt(dim); rows may be
 strided, as the query part of the rotated q and k is) and one
@@ -123,8 +124,9 @@ class TritonAttention:
                 BLOCK=self.block_size, SPAN=self.span, CHUNK=CHUNK,
             )  # fmt: skip
             join[(rows, self.kv_heads)](
-                top, total, acc, out, self.spans,
+                top, total, acc, out, lengths, self.spans,
                 HEAD_DIM=self.head_dim, GROUP=self.group, GROUP_P2=self.group_p2,
+                SPAN=self.span,
             )  # fmt: skip
             return out
 
@@ -274,15 +276,18 @@ def _kernels() -> tuple[Any, Any]:
             total = total * scale + tl.sum(p, axis=1)
             acc = acc * scale[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             top = new_top
+        # A span past the row's length stores nothing: join reads only the spans in use.
+        used = g < tl.where(start < length, GROUP_P2, 0)
         out = ((row * kv_heads + kv) * spans + part) * GROUP_P2 + g
-        tl.store(top_ptr + out, top)
-        tl.store(total_ptr + out, total)
-        tl.store(acc_ptr + out[:, None] * HEAD_DIM + d[None, :], acc)
+        tl.store(top_ptr + out, top, mask=used)
+        tl.store(total_ptr + out, total, mask=used)
+        tl.store(acc_ptr + out[:, None] * HEAD_DIM + d[None, :], acc, mask=used[:, None])
 
     @triton.jit  # type: ignore[untyped-decorator]
     def join(  # type: ignore[no-untyped-def]
-        top_ptr, total_ptr, acc_ptr, out_ptr, spans,
+        top_ptr, total_ptr, acc_ptr, out_ptr, lengths_ptr, spans,
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+        SPAN: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0)
         kv = tl.program_id(1)
@@ -290,14 +295,15 @@ def _kernels() -> tuple[Any, Any]:
         g = tl.arange(0, GROUP_P2)
         d = tl.arange(0, HEAD_DIM)
         first = (row * kv_heads + kv) * spans
+        used = tl.cdiv(tl.load(lengths_ptr + row), SPAN)  # the spans partial filled
         best = tl.full([GROUP_P2], float("-inf"), tl.float32)
-        for s in range(0, spans):
+        for s in range(0, used):
             best = tl.maximum(best, tl.load(top_ptr + (first + s) * GROUP_P2 + g))
         weight_sum = tl.zeros([GROUP_P2], tl.float32)
         acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
-        for s in range(0, spans):  # in span order: the same sum whatever the batch
+        for s in range(0, used):  # in span order: the same sum whatever the batch
             at = (first + s) * GROUP_P2 + g
-            scale = tl.exp(tl.load(top_ptr + at) - best)  # an empty span: exp(-inf) = 0
+            scale = tl.exp(tl.load(top_ptr + at) - best)
             weight_sum += tl.load(total_ptr + at) * scale
             acc += tl.load(acc_ptr + at[:, None] * HEAD_DIM + d[None, :]) * scale[:, None]
         result = acc / weight_sum[:, None]
