@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from adapters.engine import llama
-from adapters.engine.fused import fused_problem, rms_norm, rotate, silu_gate
+from adapters.engine import fused, llama
+from adapters.engine.fused import fused_problem, kernel_problem, rms_norm, rotate, silu_gate
 from adapters.engine.llama import _rms_norm, _rotate
 from core.protocol import GenerationRequest, Sampling
 from tests.test_engine import PROMPTS, engine, run, tiny_llama
@@ -59,9 +59,9 @@ def test_the_engine_through_the_fused_kernels_gives_the_same_tokens(
     ]
     plain = run(engine(model), requests)
     monkeypatch.setattr(llama, "fused_problem", lambda *args: None)
-    fused = engine(model)
-    assert fused.runner.fused
-    assert run(fused, requests) == plain
+    through = engine(model)
+    assert through.runner.fused
+    assert run(through, requests) == plain
 
 
 def test_cpu_and_a_switch_leave_the_kernels_out(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -71,3 +71,15 @@ def test_cpu_and_a_switch_leave_the_kernels_out(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv("FENCEPOST_FUSED")
     assert "head size 48" in str(fused_problem(torch.device("cuda"), 64, 48))
     assert fused_problem(torch.device("cuda"), 4096, 128) is None
+
+
+def test_the_start_check_passes_good_kernels_and_names_a_broken_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cpu = torch.device("cpu")
+    assert kernel_problem(cpu, torch.float32, 576, 64) is None
+    assert kernel_problem(cpu, torch.bfloat16, 64, 16) is None
+    monkeypatch.setattr(fused, "silu_gate", lambda gate_up: gate_up[:, : gate_up.shape[1] // 2])
+    assert "disagrees with torch" in str(kernel_problem(cpu, torch.float32, 64, 16))
+    monkeypatch.setattr(fused, "rotate", lambda *args: 1 / 0)
+    assert "ZeroDivisionError" in str(kernel_problem(cpu, torch.float32, 64, 16))

@@ -197,3 +197,17 @@ def test_a_packed_prefill_row_by_row_is_the_per_chunk_prefill(tiny: LlamaForCaus
     assert bound == [16, 37 + 11 + 8]  # the cached prefix's prefill, then all three chunks
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(rowwise.k_cache, plain.k_cache, rtol=1e-5, atol=1e-5)
+
+
+def test_a_failed_capture_falls_back_to_the_uncaptured_step_unless_insisted_on(
+    tiny: LlamaForCausalLM,
+) -> None:
+    """Capturing on a CPU fails (no CUDA): the step says so and runs uncaptured."""
+    runner = LlamaRunner(tiny, num_blocks=12, block_size=16, max_context=128)
+    said: list[str] = []
+    step = StaticDecode(runner, 4, GatherAttention(4, 2, 16, 16), graphs=True, say=said.append)
+    assert not step.captured
+    assert len(said) == 1 and said[0].startswith("decode graphs: capture failed (")
+    assert step.run([[0]], [0], [5]).shape == (1, runner.vocab_size)
+    with pytest.raises(Exception, match="CUDA|cuda"):
+        StaticDecode(runner, 4, GatherAttention(4, 2, 16, 16), graphs=True, insist=True)

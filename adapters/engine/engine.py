@@ -212,7 +212,8 @@ class Engine:
         if attention != "auto" and attention not in ATTENTIONS:
             raise ValueError(f"unknown attention {attention!r}; auto or {', '.join(ATTENTIONS)}")
         cuda = self.device.type == "cuda"
-        if decode == "auto":
+        auto = decode == "auto"
+        if auto:
             decode = "graphs" if cuda else "eager"
         if decode == "eager":
             return None
@@ -229,7 +230,8 @@ class Engine:
             chosen = make_attention(attention, *shape, runner.max_context)
         if chosen.name == "triton":  # short prefills attend through it too, row by row
             runner.row_attention = chosen
-        return StaticDecode(runner, rows, chosen, graphs=decode == "graphs", say=say)
+        graphs = decode == "graphs"
+        return StaticDecode(runner, rows, chosen, graphs, say, insist=graphs and not auto)
 
     # --- commands ---
 

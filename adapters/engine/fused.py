@@ -34,6 +34,38 @@ def fused_problem(device: torch.device, hidden: int, head_dim: int) -> str | Non
     return fused_shape_problem(hidden, head_dim)
 
 
+def kernel_problem(
+    device: torch.device, dtype: torch.dtype, hidden: int, head_dim: int
+) -> str | None:
+    """Run each kernel once at this model's widths against the torch ops it replaces:
+    the reason it cannot be used (it failed to build or run, or disagrees), or None."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, hidden, generator=generator).to(device=device, dtype=dtype)
+    weight = torch.randn(hidden, generator=generator).to(device=device, dtype=dtype)
+    qk = torch.randn(3, 4, head_dim, generator=generator).to(device=device, dtype=dtype)
+    angles = torch.randn(3, head_dim // 2, generator=generator).repeat(1, 2).to(device)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    try:
+        half = head_dim // 2
+        pairs = [
+            (rms_norm(x, weight, 1e-5, dtype),
+             x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+             * weight.float()),
+            (rotate(qk, cos, sin),
+             qk.float() * cos.float()[:, None]
+             + torch.cat([-qk[..., half:], qk[..., :half]], -1).float() * sin.float()[:, None]),
+            (silu_gate(x), torch.nn.functional.silu(x[:, : hidden // 2].float())
+             * x[:, hidden // 2 : 2 * (hidden // 2)].float()),
+        ]  # fmt: skip
+        for got, want in pairs:
+            if not torch.allclose(got.float(), want, rtol=tolerance, atol=tolerance):
+                return f"a kernel disagrees with torch by {(got.float() - want).abs().max():.3g}"
+    except Exception as error:  # a kernel that does not build here is not used
+        return f"the kernels failed here ({type(error).__name__}: {error})"
+    return None
+
+
 def fused_shape_problem(hidden: int, head_dim: int) -> str | None:
     try:
         import triton  # noqa: F401

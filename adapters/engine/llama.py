@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from adapters.engine.fused import fused_problem, rms_norm, rotate, silu_gate
+from adapters.engine.fused import fused_problem, kernel_problem, rms_norm, rotate, silu_gate
 from adapters.engine.weights import (
     FORMATS,
     Projection,
@@ -149,6 +149,10 @@ class LlamaRunner:
         # by default; fused=True forces them (the tests, through triton's interpreter).
         hidden = int(config.hidden_size)
         self.fused_problem = None if fused else fused_problem(self.device, hidden, self.head_dim)
+        if fused is None and self.fused_problem is None:  # built and checked here first
+            self.fused_problem = kernel_problem(
+                self.device, self.state_dtype, hidden, self.head_dim
+            )
         if fused is False:
             self.fused_problem = "not asked for"
         self.fused = self.fused_problem is None

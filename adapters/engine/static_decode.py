@@ -15,7 +15,8 @@ only that block and never touch a live cache entry. Attention reads each
 row up to its own length (paged_attention.py; the kind is chosen at start by
 measurement).
 
-Without capture (CPU, or `graphs=False`) the same function runs eagerly on
+Without capture (CPU, `graphs=False`, or a capture that failed: logged, and
+an error when graphs were insisted on) the same function runs eagerly on
 the same buffers: that is how the CPU tests check the padded step against
 the eager one token for token, and the eager fallback on a GPU.
 """
@@ -52,6 +53,7 @@ class StaticDecode:
         attention: GatherAttention | TritonAttention,
         graphs: bool,
         say: Callable[[str], None] = lambda line: None,
+        insist: bool = False,
     ) -> None:
         self.runner = runner
         self.attention = attention
@@ -68,7 +70,17 @@ class StaticDecode:
         self._outputs: dict[int, torch.Tensor] = {}
         self._graphs: dict[int, Any] = {}
         if graphs:
-            self._capture(say)
+            try:
+                self._capture(say)
+            except Exception as error:  # a capture that fails: the same step, uncaptured
+                self._graphs.clear()
+                self._outputs.clear()
+                if insist:
+                    raise
+                say(
+                    f"decode graphs: capture failed ({type(error).__name__}: {error}); decode "
+                    "steps run the same fixed-shape step without capture"
+                )
 
     @property
     def captured(self) -> bool:
