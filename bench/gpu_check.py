@@ -6,6 +6,9 @@ embeddings, since the engine refuses Llama 3.2's scaled ones, which change
 no cost). On the first shape it checks:
 
 - fp32 greedy of our Engine equals HF `generate` over 64 tokens, 4 prompts;
+- decode paths, bf16 greedy, 4 prompts together: the CUDA graphs' replay
+  against the same fixed-shape step run without capture (the same kernels:
+  must be equal), and against the eager step (other kernels: reported);
 - bf16 greedy: each prompt alone against the same prompt in a batch of 16;
   resume exactness: a GenerationRequest with output_prefix = the first k
   tokens (k = 1, 17, 45) continues exactly as the uninterrupted run (the 12
@@ -18,8 +21,12 @@ reuses another's prompt), beside HF generate eager (batch 1), HF generate with
 a static cache (which transformers compiles with torch.compile on CUDA;
 batch 1) and transformers' continuous batching (`generate_batch`, at the
 largest stream count) in the same run; and the first-token times of 64
-requests arriving at once on the 1B shape. It ends with the issue's goals,
-met or not.
+requests arriving at once on the 1B shape; and one stream through the eager
+decode step, for what the graphs gain. It ends with the issue's goals, met
+or not. Each engine's start prints its choices: the fused elementwise
+kernels, the decode attention (both timed), the graphs captured (time and
+memory). `--decode` and `--attention` force a path for a second run, as
+FENCEPOST_FUSED=off leaves the fused kernels out.
 
 Every loop is bounded (steps and a deadline); `--budget-s` skips what would
 not fit and says so; each section prints its own traceback when it fails

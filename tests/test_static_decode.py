@@ -20,6 +20,7 @@ from adapters.engine.model import LoadedModel
 from adapters.engine.paged_attention import (
     Attend,
     GatherAttention,
+    SdpaAttention,
     TritonAttention,
     choose_attention,
     triton_problem,
@@ -57,7 +58,7 @@ REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("attention", ["gather", "triton"])
+@pytest.mark.parametrize("attention", ["gather", "sdpa", "triton"])
 def test_the_padded_step_gives_the_eager_steps_tokens(
     tiny: LlamaForCausalLM, attention: str
 ) -> None:
@@ -123,17 +124,20 @@ def _random_case(
     ("kv_heads", "group", "dim"),
     [(2, 2, 16), (3, 3, 32), (1, 4, 64)],  # group 3: query heads padded to 4 in the kernel
 )
-def test_the_triton_kernel_attends_as_the_torch_gather(kv_heads: int, group: int, dim: int) -> None:
+def test_the_triton_kernel_and_sdpa_attend_as_the_torch_gather(
+    kv_heads: int, group: int, dim: int
+) -> None:
     lengths = [1, 16, 17, 300, 600, 37]  # one position, a block's end, past one span, three
     q, k_cache, v_cache, tables, lengths_t = _random_case(kv_heads, group, dim, lengths, dim)
     heads = kv_heads * group
     kernel = TritonAttention(heads, kv_heads, dim, 16, max_context=640)
     assert kernel.spans == 3  # spans of 256 positions: the 600-position row uses all three
     gather = GatherAttention(heads, kv_heads, dim, 16)
-    got = kernel.bind(tables, lengths_t)(q, k_cache, v_cache)
     want = gather.bind(tables, lengths_t)(q, k_cache, v_cache)
-    assert got.shape == want.shape == (len(lengths), heads * dim)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for other in (kernel, SdpaAttention(heads, kv_heads, dim, 16)):
+        got = other.bind(tables, lengths_t)(q, k_cache, v_cache)
+        assert got.shape == want.shape == (len(lengths), heads * dim)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_rows_attention_does_not_depend_on_its_batch() -> None:

@@ -29,7 +29,7 @@ def add_weights_argument(parser: argparse.ArgumentParser) -> None:
 # adapters/engine/engine.py DECODE_PATHS and paged_attention.py ATTENTIONS plus "auto" (a
 # test keeps them alike).
 DECODE_CHOICES = ("auto", "eager", "static", "graphs")
-ATTENTION_CHOICES = ("auto", "gather", "triton")
+ATTENTION_CHOICES = ("auto", "gather", "sdpa", "triton")
 
 
 def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +41,7 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--decode-attention", choices=ATTENTION_CHOICES, default="auto",
-        help="attention of the fixed-shape step: auto = the faster, measured at start",
+        help="attention of the fixed-shape step: auto = the fastest, measured at start",
     )  # fmt: skip
 
 

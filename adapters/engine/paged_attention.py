@@ -2,14 +2,16 @@
 
 A captured CUDA graph replays the same kernels on the same buffers every
 step, so attention there takes every row's block table padded to the widest
-a sequence can have (max_context) and each row's length as a tensor. Two
-ways to spend that, chosen at start by measuring both on the device
+a sequence can have (max_context) and each row's length as a tensor. Three
+ways to spend that, chosen at start by timing them on the device
 (`choose_attention`, logged):
 
 - "gather" (torch alone): every row's whole table gathered into one tensor,
   positions past the row's length masked to -inf, then batched products and
   a softmax. Simple and exact, but every step reads max_context positions
   per row whatever the rows' real lengths are.
+- "sdpa": the same gather, then torch's scaled_dot_product_attention (a
+  candidate on CUDA only: on CPU its kernel's fixed costs lose, llama.py).
 - "triton": a kernel that reads each row's blocks where they lie in the
   pool, up to that row's own length, so a step costs what the rows really
   hold. A row's positions are cut into spans of `span` positions; one
@@ -20,7 +22,7 @@ ways to spend that, chosen at start by measuring both on the device
   busy the step is). A program whose span lies past its row's length reads
   and stores nothing, and the join reads only the spans a row uses.
 
-Both take q [rows, heads, dim] (already scaled by 1/sqrt(dim); rows may be
+All take q [rows, heads, dim] (already scaled by 1/sqrt(dim); rows may be
 strided, as the query part of the rotated q and k is) and one
 layer's cache [kv_heads, slots, dim], and give [rows, heads * dim].
 `bind(tables, lengths)` does the per-step work once (the mask, the span
@@ -40,16 +42,18 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-ATTENTIONS = ("gather", "triton")
+ATTENTIONS = ("gather", "sdpa", "triton")
 SPAN = 256  # positions per program of the triton kernel (at most MAX_SPANS spans a row)
 MAX_SPANS = 16
 CHUNK = 16  # positions a program reads per iteration
 
 
 class GatherAttention:
-    """Every row's whole table gathered, the positions past its length masked."""
+    """Every row's whole table gathered, the positions past its length masked; the
+    products and softmax written out as batched products (key head major)."""
 
     name = "gather"
 
@@ -61,27 +65,56 @@ class GatherAttention:
         rows, width = tables.shape
         span = width * self.block_size
         positions = torch.arange(span, device=tables.device)
-        past = (positions[None, :] >= lengths[:, None]).view(1, rows, 1, span)
+        past = positions[None, :] >= lengths[:, None]  # [rows, span]
         blocks = tables.flatten().to(torch.int64)
-        group = self.heads // self.kv_heads
+        masks: dict[torch.dtype, torch.Tensor] = {}  # built at the first layer, kept
 
         def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-            mask = torch.zeros(past.shape, dtype=q.dtype, device=q.device)
-            mask = mask.masked_fill(past, float("-inf"))
+            if q.dtype not in masks:
+                zeros = torch.zeros(past.shape, dtype=q.dtype, device=q.device)
+                masks[q.dtype] = zeros.masked_fill(past, float("-inf"))
             by_block = (self.kv_heads, -1, self.block_size, self.head_dim)
             keys = torch.index_select(k_cache.view(by_block), 1, blocks)
             values = torch.index_select(v_cache.view(by_block), 1, blocks)
-            batch = rows * self.kv_heads
-            queries = q.view(rows, self.kv_heads, group, self.head_dim).transpose(0, 1)
-            queries = queries.reshape(batch, group, self.head_dim)
-            scores = torch.bmm(queries, keys.reshape(batch, span, self.head_dim).transpose(1, 2))
-            scores = scores.view(self.kv_heads, rows, group, span) + mask
-            weights = torch.softmax(scores, dim=-1).view(batch, group, span)
-            out = torch.bmm(weights, values.reshape(batch, span, self.head_dim))
-            out = out.view(self.kv_heads, rows, group * self.head_dim).transpose(0, 1)
-            return out.reshape(rows, self.heads * self.head_dim)
+            shape = (self.kv_heads, rows, span, self.head_dim)
+            return self._attend(q, keys.view(shape), values.view(shape), masks[q.dtype])
 
         return attend
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """q [rows, heads, dim] over keys and values [kv_heads, rows, span, dim], the
+        additive mask [rows, span] -> [rows, heads * dim]."""
+        kv, rows, span, dim = keys.shape
+        group, batch = self.heads // kv, rows * kv
+        queries = q.view(rows, kv, group, dim).transpose(0, 1).reshape(batch, group, dim)
+        scores = torch.bmm(queries, keys.reshape(batch, span, dim).transpose(1, 2))
+        scores = scores.view(kv, rows, group, span) + mask.view(1, rows, 1, span)
+        weights = torch.softmax(scores, dim=-1).view(batch, group, span)
+        out = torch.bmm(weights, values.reshape(batch, span, dim))
+        return out.view(kv, rows, group * dim).transpose(0, 1).reshape(rows, self.heads * dim)
+
+
+class SdpaAttention(GatherAttention):
+    """The same gather, then torch's scaled_dot_product_attention (whichever of its
+    kernels takes a mask and grouped heads on the device)."""
+
+    name = "sdpa"
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        rows, span, dim = keys.shape[1:]
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :],  # [rows, heads, 1, dim]: one query per row
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=mask.view(rows, 1, 1, span),
+            enable_gqa=True,
+            scale=1.0,  # the query weights carry 1/sqrt(dim)
+        )
+        return out.reshape(rows, self.heads * dim)
 
 
 class TritonAttention:
@@ -156,6 +189,8 @@ def make_attention(
 ) -> GatherAttention | TritonAttention:
     if name == "gather":
         return GatherAttention(heads, kv_heads, head_dim, block_size)
+    if name == "sdpa":
+        return SdpaAttention(heads, kv_heads, head_dim, block_size)
     if name == "triton":
         return TritonAttention(heads, kv_heads, head_dim, block_size, max_context)
     raise ValueError(f"unknown decode attention {name!r}; one of {', '.join(ATTENTIONS)}")
@@ -170,6 +205,8 @@ def choose_attention(
     Candidates that cannot run are named in the log with the reason."""
     shape = (runner.heads, runner.kv_heads, runner.head_dim, runner.block_size)
     candidates: list[GatherAttention | TritonAttention] = [GatherAttention(*shape)]
+    if runner.device.type == "cuda":  # on CPU the flash kernel's fixed costs lose (llama.py)
+        candidates.append(SdpaAttention(*shape))
     problem = triton_available() or triton_problem(*shape[:3])
     if runner.device.type != "cuda":
         problem = problem or f"the kernel is compiled for CUDA, not {runner.device.type}"
