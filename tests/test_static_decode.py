@@ -215,3 +215,31 @@ def test_a_failed_capture_falls_back_to_the_uncaptured_step_unless_insisted_on(
     assert step.run([[0]], [0], [5]).shape == (1, runner.vocab_size)
     with pytest.raises(Exception, match=r"(?i)cuda"):
         StaticDecode(runner, 4, GatherAttention(4, 2, 16, 16), graphs=True, insist=True)
+
+
+def test_choosing_leaves_out_a_kind_that_disagrees_or_fails(tiny: LlamaForCausalLM) -> None:
+    """The kinds are checked against the gather on the same random inputs before they
+    are timed: a wrong kernel is never chosen, however fast."""
+
+    class Wrong(GatherAttention):
+        name = "wrong"
+
+        def bind(self, tables: torch.Tensor, lengths: torch.Tensor) -> Attend:
+            return lambda q, k, v: torch.zeros(q.shape[0], q.shape[1] * q.shape[2])
+
+    class Broken(GatherAttention):
+        name = "broken"
+
+        def bind(self, tables: torch.Tensor, lengths: torch.Tensor) -> Attend:
+            raise RuntimeError("no kernel for this device")
+
+    runner = LlamaRunner(tiny, num_blocks=12, block_size=16, max_context=128)
+    shape = (4, 2, 16, 16)
+    kinds = [GatherAttention(*shape), Wrong(*shape), Broken(*shape), TritonAttention(*shape, 128)]
+    said: list[str] = []
+    chosen = choose_attention(runner, 4, said.append, kinds)
+    assert chosen.name in ("gather", "triton")
+    assert any(line.startswith("decode attention: wrong disagrees with gather") for line in said)
+    assert any("broken failed to run (RuntimeError: no kernel" in line for line in said)
+    assert "measured for 4 rows at lengths up to 128" in said[-1]
+    assert "gather" in said[-1] and "triton" in said[-1] and "wrong" not in said[-1]

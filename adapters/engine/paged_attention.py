@@ -197,12 +197,48 @@ def make_attention(
 
 
 def choose_attention(
-    runner: Any, rows: int, say: Callable[[str], None]
+    runner: Any,
+    rows: int,
+    say: Callable[[str], None],
+    candidates: list[GatherAttention | TritonAttention] | None = None,
 ) -> GatherAttention | TritonAttention:
-    """The faster of the candidates for this runner's shape on its device, measured on
-    one layer of its cache: `rows` rows at lengths spread up to max_context (the
-    gather reads max_context whatever the lengths; the kernel reads what they hold).
-    Candidates that cannot run are named in the log with the reason."""
+    """The fastest of the candidates for this runner's shape on its device, timed on one
+    layer's worth of random keys and values: `rows` rows at lengths spread up to
+    max_context (the gathers read max_context whatever the lengths; the kernel reads
+    what they hold). A candidate that cannot run here, or whose output disagrees
+    with the gather's on the same inputs, is left out, and the log says why."""
+    if candidates is None:
+        candidates = _candidates(runner, say)
+    if len(candidates) == 1:
+        return candidates[0]
+    trial = _Trial(runner, rows)
+    want = candidates[0].bind(trial.tables, trial.lengths)(trial.q, trial.k, trial.v)
+    tolerance = 1e-4 if trial.q.dtype == torch.float32 else 3e-2
+    timings = []
+    for candidate in candidates:
+        try:
+            seconds, got = trial.time(candidate)
+        except Exception as error:  # a kernel that fails to build is no candidate
+            say(f"decode attention: {candidate.name} failed to run ({type(error).__name__}: "
+                f"{error})")  # fmt: skip
+            continue
+        if not torch.allclose(got.float(), want.float(), rtol=tolerance, atol=tolerance):
+            gap = (got.float() - want.float()).abs().max()
+            say(f"decode attention: {candidate.name} disagrees with gather by {gap:.3g}; "
+                "not used")  # fmt: skip
+            continue
+        timings.append((seconds, candidate))
+    timings.sort(key=lambda pair: pair[0])
+    figures = ", ".join(f"{c.name} {t * 1e3:.3f} ms" for t, c in timings)
+    say(
+        f"decode attention: {timings[0][1].name}, measured for {rows} rows at lengths "
+        f"up to {runner.max_context}, one layer ({figures})"
+    )
+    return timings[0][1]
+
+
+def _candidates(runner: Any, say: Callable[[str], None]) -> list[GatherAttention | TritonAttention]:
+    """The kinds that can run for this runner's shape on its device, gather first."""
     shape = (runner.heads, runner.kv_heads, runner.head_dim, runner.block_size)
     candidates: list[GatherAttention | TritonAttention] = [GatherAttention(*shape)]
     if runner.device.type == "cuda":  # on CPU the flash kernel's fixed costs lose (llama.py)
@@ -214,48 +250,41 @@ def choose_attention(
         candidates.append(TritonAttention(*shape, runner.max_context))
     else:
         say(f"decode attention: no triton candidate ({problem})")
-    if len(candidates) == 1:
-        return candidates[0]
-    timings = []
-    for candidate in candidates:
-        try:
-            timings.append((time_attention(runner, candidate, rows), candidate))
-        except Exception as error:  # a kernel that fails to build is no candidate
-            say(f"decode attention: {candidate.name} failed to run ({type(error).__name__}: "
-                f"{error})")  # fmt: skip
-    if not timings:
-        raise RuntimeError("no decode attention runs on this device")
-    timings.sort(key=lambda pair: pair[0])
-    figures = ", ".join(f"{c.name} {t * 1e3:.3f} ms" for t, c in timings)
-    say(
-        f"decode attention: {timings[0][1].name}, measured for {rows} rows at lengths "
-        f"up to {runner.max_context}, one layer ({figures})"
-    )
-    return timings[0][1]
+    return candidates
 
 
-def time_attention(runner: Any, attention: GatherAttention | TritonAttention, rows: int) -> float:
-    """Seconds per call of one layer's attention, the median of a few timed runs."""
-    device, size = runner.device, runner.block_size
-    width = -(-runner.max_context // size)
-    generator = torch.Generator().manual_seed(0)
-    blocks = runner.num_blocks
-    tables = torch.randint(0, blocks, (rows, width), generator=generator).to(device)
-    lengths = torch.linspace(1, runner.max_context, rows).round().to(torch.int32).to(device)
-    q = torch.randn(rows, runner.heads, runner.head_dim, generator=generator)
-    q = q.to(device=device, dtype=runner.k_cache.dtype)
-    k_cache, v_cache = runner.k_cache[0], runner.v_cache[0]
-    attend = attention.bind(tables, lengths)
-    samples = []
-    for _ in range(7):
-        _sync(device)
-        began = time.perf_counter()
-        for _ in range(5):
-            attend(q, k_cache, v_cache)
-        _sync(device)
-        samples.append((time.perf_counter() - began) / 5)
-    samples.sort()
-    return samples[len(samples) // 2]
+class _Trial:
+    """One layer's worth of random keys and values shaped as the runner's cache, and
+    `rows` rows of random tables at lengths spread from 1 to max_context: what the
+    candidates are checked against each other and timed on."""
+
+    def __init__(self, runner: Any, rows: int) -> None:
+        device, dtype = runner.device, runner.k_cache.dtype
+        generator = torch.Generator().manual_seed(0)
+        width = -(-runner.max_context // runner.block_size)
+        tables = torch.randint(0, runner.num_blocks, (rows, width), generator=generator)
+        self.tables = tables.to(device)
+        lengths = torch.linspace(1, runner.max_context, rows).round().to(torch.int32)
+        self.lengths = lengths.to(device)
+        q = torch.randn(rows, runner.heads, runner.head_dim, generator=generator)
+        self.q = q.to(device=device, dtype=dtype)
+        self.k = torch.randn(runner.k_cache.shape[1:], device=device, dtype=dtype)
+        self.v = torch.randn(runner.v_cache.shape[1:], device=device, dtype=dtype)
+
+    def time(self, attention: GatherAttention | TritonAttention) -> tuple[float, torch.Tensor]:
+        """Seconds per call (the median of 7 timings of 5 calls) and the output."""
+        attend = attention.bind(self.tables, self.lengths)
+        out = attend(self.q, self.k, self.v)
+        samples = []
+        for _ in range(7):
+            _sync(self.q.device)
+            began = time.perf_counter()
+            for _ in range(5):
+                attend(self.q, self.k, self.v)
+            _sync(self.q.device)
+            samples.append((time.perf_counter() - began) / 5)
+        samples.sort()
+        return samples[len(samples) // 2], out
 
 
 def _sync(device: torch.device) -> None:
