@@ -243,3 +243,28 @@ def test_choosing_leaves_out_a_kind_that_disagrees_or_fails(tiny: LlamaForCausal
     assert any("broken failed to run (RuntimeError: no kernel" in line for line in said)
     assert "measured for 4 rows at lengths up to 128" in said[-1]
     assert "gather" in said[-1] and "triton" in said[-1] and "wrong" not in said[-1]
+
+
+def test_the_start_check_of_replays_catches_a_graph_that_computes_otherwise(
+    tiny: LlamaForCausalLM,
+) -> None:
+    """check_replays compares each checked graph's replay with the uncaptured step; here
+    a stand-in graph (no CUDA) replays the step itself, then the step plus a little."""
+    runner = LlamaRunner(tiny, num_blocks=12, block_size=16, max_context=128)
+    step = StaticDecode(runner, 24, GatherAttention(4, 2, 16, 16), graphs=False)
+    replayed: list[int] = []
+
+    class StandIn:
+        def __init__(self, size: int, off: float) -> None:
+            self.size, self.off = size, off
+
+        def replay(self) -> None:
+            replayed.append(self.size)
+            step._outputs[self.size] = step._forward(self.size) + self.off
+
+    step._graphs = {size: StandIn(size, 0.0) for size in step.sizes}
+    step.check_replays()
+    assert replayed == [1, 8]  # the smallest, and the largest of at most 15 rows
+    step._graphs[8] = StandIn(8, 1e-3)
+    with pytest.raises(RuntimeError, match="the graph of 8 rows replays differently"):
+        step.check_replays()

@@ -72,6 +72,7 @@ class StaticDecode:
         if graphs:
             try:
                 self._capture(say)
+                self.check_replays()
             except Exception as error:  # a capture that fails: the same step, uncaptured
                 self._graphs.clear()
                 self._outputs.clear()
@@ -149,6 +150,25 @@ class StaticDecode:
             f"{time.perf_counter() - began:.1f} s, {self.attention.name} attention; "
             f"outputs hold {held / 2**20:.0f} MiB, the device {taken / 2**20:.0f} MiB more"
         )
+
+    def check_replays(self) -> None:
+        """Replay the smallest graph and the largest of at most one block's rows on made-up
+        rows in the scratch block, and raise unless each gives what the same step run
+        uncaptured gives, bit for bit (the same kernels on the same inputs).
+
+        Real rows sit at positions 1.. of the scratch block, each writing a slot of its
+        own; the padding rows all write position 0, the same values from the same
+        token, so which write lands last changes nothing."""
+        block_size, scratch = self.runner.block_size, self.runner.scratch_block
+        small = [size for size in self.sizes if size <= block_size - 1]
+        for size in sorted({self.sizes[0], *small[-1:]}):
+            rows = min(size, block_size - 1)
+            replayed = self.run([[scratch]] * rows, list(range(1, rows + 1)), [1] * rows)
+            replayed = replayed.clone()
+            uncaptured = self._forward(size)[:rows]
+            if not torch.equal(replayed, uncaptured):
+                gap = (replayed.float() - uncaptured.float()).abs().max()
+                raise RuntimeError(f"the graph of {size} rows replays differently by {gap:.3g}")
 
     def _size_list(self) -> str:
         sizes = self.sizes
