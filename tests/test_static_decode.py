@@ -265,6 +265,11 @@ def test_the_start_check_of_replays_catches_a_graph_that_computes_otherwise(
     step._graphs = {size: StandIn(size, 0.0) for size in step.sizes}
     step.check_replays()
     assert replayed == [1, 8]  # the smallest, and the largest of at most 15 rows
-    step._graphs[8] = StandIn(8, 1e-3)
-    with pytest.raises(RuntimeError, match="the graph of 8 rows replays differently"):
+    said: list[str] = []
+    step._graphs[8] = StandIn(8, 1e-3)  # rounding: kept, and said
+    step.check_replays(said.append)
+    assert said == ["decode graphs: the graph of 8 rows replays within 0.001 of the "
+                    "uncaptured step, not bit for bit"]  # fmt: skip
+    step._graphs[8] = StandIn(8, 0.5)
+    with pytest.raises(RuntimeError, match=r"the graph of 8 rows replays differently by 0\.5"):
         step.check_replays()
