@@ -367,7 +367,9 @@ class LlamaRunner:
         )
         positions = positions.to(self.device)
         x = self.embed[torch.cat([chunk.tokens for chunk in chunks])]
-        return self._forward_rows(x, positions, tables, attention.bind(tables, positions + 1), rows)
+        longest = max(c.start + n for c, n in zip(chunks, counts, strict=True))
+        attend = attention.bind(tables, positions + 1, longest)
+        return self._forward_rows(x, positions, tables, attend, rows)
 
     def _native_prefill(self, chunks: list[Chunk], rows: Sequence[int]) -> torch.Tensor:
         """prefill_packed through the fused native pass: one row per chunk token, at its

@@ -135,11 +135,16 @@ class TritonAttention:
         self.span = max(SPAN, _next_pow2(-(-max_context // MAX_SPANS)))
         self.spans = -(-max_context // self.span)
 
-    def bind(self, tables: torch.Tensor, lengths: torch.Tensor) -> Attend:
+    def bind(
+        self, tables: torch.Tensor, lengths: torch.Tensor, longest: int | None = None
+    ) -> Attend:
+        """`longest`, when the caller knows it (an eager prefill, not a graph), bounds the
+        rows' lengths: only the spans it needs get programs and partial buffers."""
         partial, join = _kernels()
         rows, width = tables.shape
         device = tables.device
-        shape = (rows, self.kv_heads, self.spans, self.group_p2)
+        spans = self.spans if longest is None else min(self.spans, -(-longest // self.span))
+        shape = (rows, self.kv_heads, spans, self.group_p2)
         top = torch.empty(shape, dtype=torch.float32, device=device)
         total = torch.empty(shape, dtype=torch.float32, device=device)
         acc = torch.empty((*shape, self.head_dim), dtype=torch.float32, device=device)
@@ -150,14 +155,14 @@ class TritonAttention:
             assert q.stride(2) == 1 and q.stride(1) == self.head_dim, "heads, dims contiguous"
             out = torch.empty((rows, self.heads * self.head_dim), dtype=q.dtype, device=device)
             slots = k_cache.shape[1]
-            partial[(rows, self.kv_heads, self.spans)](
+            partial[(rows, self.kv_heads, spans)](
                 q, k_cache, v_cache, tables, lengths, top, total, acc,
-                q.stride(0), slots, width, self.spans,
+                q.stride(0), slots, width, spans,
                 HEAD_DIM=self.head_dim, GROUP=self.group, GROUP_P2=self.group_p2,
                 BLOCK=self.block_size, SPAN=self.span, CHUNK=CHUNK,
             )  # fmt: skip
             join[(rows, self.kv_heads)](
-                top, total, acc, out, lengths, self.spans,
+                top, total, acc, out, lengths, spans,
                 HEAD_DIM=self.head_dim, GROUP=self.group, GROUP_P2=self.group_p2,
                 SPAN=self.span,
             )  # fmt: skip
