@@ -205,8 +205,7 @@ class LlamaRunner:
     def pages(self, tables: list[list[int]], length: int) -> Pages:
         """The Pages of rows with these block tables, each read up to `length` positions."""
         width = -(-length // self.block_size)
-        padded = [table[:width] + [0] * (width - len(table[:width])) for table in tables]
-        ids = torch.tensor(padded, device=self.device)
+        ids = torch.tensor([padded_table(table, width) for table in tables], device=self.device)
         if len(tables) == 1 and len(tables[0]) >= width and _contiguous(tables[0][:width]):
             return Pages(ids, length, tables[0][0] * self.block_size)
         return Pages(ids, width * self.block_size, None)
@@ -309,8 +308,7 @@ class LlamaRunner:
             raise ValueError("prefill_packed needs at least one token")
         if self._native is not None:
             return self._native_prefill(chunks, rows)
-        reads = sum(c.tokens.shape[0] * (2 * c.start + c.tokens.shape[0] + 1) // 2 for c in chunks)
-        if self.row_attention is not None and reads <= ROW_ATTENTION_POSITIONS:
+        if self.row_attention is not None and _reads(chunks) <= ROW_ATTENTION_POSITIONS:
             return self._prefill_by_rows(chunks, rows, self.row_attention)
         x = self.embed[torch.cat([chunk.tokens for chunk in chunks])]
         spans = []
@@ -352,43 +350,37 @@ class LlamaRunner:
         """prefill_packed with attention row by row: every token of every chunk is a row
         with its own position and its sequence's table, attended in one call per layer
         (`attention`, paged_attention.py's kernel, as decode steps run it) instead of
-        one call per chunk. The tables go to the device once, per chunk, and are spread
-        to the rows there."""
-        counts = [chunk.tokens.shape[0] for chunk in chunks]
-        width = max(
-            -(-(c.start + n) // self.block_size) for c, n in zip(chunks, counts, strict=True)
-        )
-        per_chunk = [c.table[:width] + [0] * (width - len(c.table[:width])) for c in chunks]
-        tables = torch.tensor(per_chunk, device=self.device).repeat_interleave(
-            torch.tensor(counts, device=self.device), dim=0, output_size=sum(counts)
-        )
-        positions = torch.cat(
-            [torch.arange(c.start, c.start + n) for c, n in zip(chunks, counts, strict=True)]
-        )
-        positions = positions.to(self.device)
-        x = self.embed[torch.cat([chunk.tokens for chunk in chunks])]
-        longest = max(c.start + n for c, n in zip(chunks, counts, strict=True))
+        one call per chunk."""
+        tokens, positions, tables, longest = self._rows_of(chunks)
         attend = attention.bind(tables, positions + 1, longest)
-        return self._forward_rows(x, positions, tables, attend, rows)
+        return self._forward_rows(self.embed[tokens], positions, tables, attend, rows)
 
     def _native_prefill(self, chunks: list[Chunk], rows: Sequence[int]) -> torch.Tensor:
         """prefill_packed through the fused native pass: one row per chunk token, at its
         position, through its chunk's table; the same computation, row by row, as a
         decode step (native.c), so a prefilled position equals a decoded one exactly."""
         assert self._native is not None
-        width = max(-(-(c.start + c.tokens.shape[0]) // self.block_size) for c in chunks)
-        tables, positions = [], []
-        for chunk in chunks:
-            count = chunk.tokens.shape[0]
-            table = chunk.table[:width] + [0] * (width - len(chunk.table[:width]))
-            tables += [table] * count
-            positions.append(torch.arange(chunk.start, chunk.start + count))
-        return self._native.forward(
-            torch.cat([chunk.tokens for chunk in chunks]),
-            torch.cat(positions),
-            torch.tensor(tables, dtype=torch.int32),
-            torch.tensor(list(rows), dtype=torch.int32),
+        tokens, positions, tables, _ = self._rows_of(chunks)
+        picked = torch.tensor(list(rows), dtype=torch.int32)
+        return self._native.forward(tokens, positions, tables.to(torch.int32), picked)
+
+    def _rows_of(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The chunks' tokens as rows on the runner's device: token ids, positions, each
+        row's table (its chunk's, padded to the widest; the tables go to the device once
+        per chunk and are spread to the rows there) and the longest context they reach."""
+        device = self.device
+        counts = [chunk.tokens.shape[0] for chunk in chunks]
+        longest = max(chunk.start + count for chunk, count in zip(chunks, counts, strict=True))
+        width = -(-longest // self.block_size)
+        per_chunk = torch.tensor([padded_table(c.table, width) for c in chunks], device=device)
+        tables = per_chunk.repeat_interleave(
+            torch.tensor(counts, device=device), dim=0, output_size=sum(counts)
         )
+        positions = torch.cat(
+            [torch.arange(c.start, c.start + n) for c, n in zip(chunks, counts, strict=True)]
+        )
+        tokens = torch.cat([chunk.tokens for chunk in chunks])
+        return tokens, positions.to(device), tables, longest
 
     def _attend_chunk(
         self,
@@ -517,6 +509,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def padded_table(table: list[int], width: int, fill: int = 0) -> list[int]:
+    """A block table cut or padded with `fill` to `width` entries."""
+    return table[:width] + [fill] * (width - len(table[:width]))
+
+
+def _reads(chunks: list[Chunk]) -> int:
+    """Positions the chunks' tokens read together, each its whole prefix."""
+    return sum(c.tokens.shape[0] * (2 * c.start + c.tokens.shape[0] + 1) // 2 for c in chunks)
 
 
 def _contiguous(table: list[int]) -> bool:

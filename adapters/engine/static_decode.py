@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from adapters.engine.llama import LlamaRunner
+from adapters.engine.llama import LlamaRunner, padded_table
 from adapters.engine.paged_attention import GatherAttention, TritonAttention
 
 SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32)
@@ -101,7 +101,7 @@ class StaticDecode:
         block_size, scratch = self.runner.block_size, self.runner.scratch_block
         used = max(positions) // block_size + 1  # table entries the widest row reads
         lines = [
-            [token, position, *table[:used], *[scratch] * (used - len(table[:used]))]
+            [token, position, *padded_table(table, used, scratch)]
             for table, position, token in zip(tables, positions, tokens, strict=True)
         ]
         host = self._host
