@@ -41,6 +41,8 @@ from adapters.engine.weights import (
 # square of a chunk's length, where the per-chunk SDPA's does not (a bound by arithmetic:
 # 2^17 positions of the 8B shape are 0.5 GB of keys and values a layer, mostly cached).
 ROW_ATTENTION_POSITIONS = 1 << 17
+# One layer's attention: (q, that layer's key cache, its value cache) -> [rows, heads * dim].
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 DEFAULT_BLOCK_SIZE = 16  # positions per KV block, chosen by measurement (engine.md)
 # On CPU, decode attention gathers at most this many bytes of keys and values at
 # once; more rows are attended in groups, so that what a gather writes is still in
@@ -216,37 +218,37 @@ class LlamaRunner:
         [rows, vocab]. Each row's table must cover its position."""
         if self._native is not None:
             return self._native.forward(tokens, positions, pages.tables)
-        rows, length = tokens.shape[0], pages.length
-        x = self.embed[tokens]
-        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
-        writes = self._slots(pages.tables, positions[:, None])[:, 0]
+        attend = self._paged_attend(pages, positions)
+        return self._forward_rows(self.embed[tokens], positions, pages.tables, attend, None)
+
+    def _paged_attend(self, pages: Pages, positions: torch.Tensor) -> Attend:
+        """The eager decode step's attention: each row over its own prefix through
+        `pages` (a view of a one-row run, else whole blocks gathered, in groups of rows
+        that fit the CPU budget), masked past the row's position."""
+        rows, length = positions.shape[0], pages.length
         span = torch.arange(length, device=self.device)
         # Added to the scores: 0 up to a row's own position, -inf past it.
         past = (span[None, :] > positions[:, None]).view(1, rows, 1, length)
         mask = torch.zeros(past.shape, dtype=self.state_dtype, device=self.device)
         mask = mask.masked_fill(past, float("-inf"))
         groups = self._row_groups(pages, rows)
-        for index, layer in enumerate(self.layers):
-            q, k, v = self._qkv(x, layer, cos, sin)
-            k_cache, v_cache = self.k_cache[index], self.v_cache[index]
-            k_cache[:, writes] = k.transpose(0, 1)
-            v_cache[:, writes] = v.transpose(0, 1)
+
+        def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
             parts = []
             for first, group in groups:
                 keys, values = self._read(k_cache, group, 0), self._read(v_cache, group, 1)
                 end = first + group.tables.shape[0]
-                parts.append(self._attend_one(q[first:end], keys, values, mask[:, first:end]))
-            attn = parts[0] if len(parts) == 1 else torch.cat(parts)
-            x = x + layer.o(attn.to(self.dtype))
-            x = x + self._mlp(x, layer)
-        return self._logits(x)
+                parts.append(attend_gathered(q[first:end], keys, values, mask[:, first:end]))
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        return attend
 
     def forward_static(
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
         tables: torch.Tensor,
-        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        attend: Attend,
     ) -> torch.Tensor:
         """decode() at fixed shapes, for static_decode.py: every input a tensor of a
         size fixed per batch size (tables [rows, widest]), no Python value read from
@@ -258,7 +260,7 @@ class LlamaRunner:
         x: torch.Tensor,
         positions: torch.Tensor,
         tables: torch.Tensor,
-        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        attend: Attend,
         rows: Sequence[int] | None,
     ) -> torch.Tensor:
         """The layers over rows x (embedded tokens), each at its position through its table:
@@ -442,35 +444,6 @@ class LlamaRunner:
         blocks = tables.gather(1, positions // self.block_size)
         return blocks * self.block_size + positions % self.block_size
 
-    def _attend_one(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """Attention for one new token per row: q [rows, heads, dim] (already scaled) over
-        keys and values [kv_heads, rows, length, dim] (or [kv_heads, length, dim] for
-        one row) -> [rows, heads * dim].
-
-        Written out rather than through scaled_dot_product_attention: for a single
-        query, torch's CPU flash kernel spent ~0.5 ms per call on fixed costs, 14 of
-        a 23 ms step at 30 layers. Query heads that share a key head are stacked
-        as rows of one product (grouped-query attention without copying keys);
-        the batch runs key head major, the cache's own order.
-        """
-        rows, group = q.shape[0], self.heads // self.kv_heads
-        length = keys.shape[-2]
-        batch = rows * self.kv_heads
-        queries = q.view(rows, self.kv_heads, group, self.head_dim).transpose(0, 1)
-        queries = queries.reshape(batch, group, self.head_dim)
-        keys = keys.reshape(batch, length, self.head_dim)
-        scores = torch.bmm(queries, keys.transpose(1, 2))
-        scores = scores.view(self.kv_heads, rows, group, length) + mask
-        weights = torch.softmax(scores, dim=-1).view(batch, group, length)
-        out = torch.bmm(weights, values.reshape(batch, length, self.head_dim))
-        return (
-            out.view(self.kv_heads, rows, group * self.head_dim)
-            .transpose(0, 1)
-            .reshape(rows, self._q_size)
-        )
-
     def _qkv(
         self, x: torch.Tensor, layer: LayerWeights, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -497,6 +470,30 @@ class LlamaRunner:
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self._norm(x, self.final_norm)).float()
+
+
+def attend_gathered(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Attention for one new token per row: q [rows, heads, dim] (already scaled) over
+    keys and values [kv_heads, rows, length, dim] (or [kv_heads, length, dim] for one
+    row), plus `mask` (broadcast to [kv_heads, rows, 1, length]) -> [rows, heads * dim].
+
+    Written out rather than through scaled_dot_product_attention: for a single
+    query, torch's CPU flash kernel spent ~0.5 ms per call on fixed costs, 14 of
+    a 23 ms step at 30 layers. Query heads that share a key head are stacked
+    as rows of one product (grouped-query attention without copying keys);
+    the batch runs key head major, the cache's own order.
+    """
+    rows, heads, dim = q.shape
+    kv_heads, length = keys.shape[0], keys.shape[-2]
+    group, batch = heads // kv_heads, rows * kv_heads
+    queries = q.view(rows, kv_heads, group, dim).transpose(0, 1).reshape(batch, group, dim)
+    scores = torch.bmm(queries, keys.reshape(batch, length, dim).transpose(1, 2))
+    scores = scores.view(kv_heads, rows, group, length) + mask
+    weights = torch.softmax(scores, dim=-1).view(batch, group, length)
+    out = torch.bmm(weights, values.reshape(batch, length, dim))
+    return out.view(kv_heads, rows, group * dim).transpose(0, 1).reshape(rows, heads * dim)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.dtype) -> torch.Tensor:

@@ -44,7 +44,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+from adapters.engine.llama import Attend, attend_gathered
+
 ATTENTIONS = ("gather", "sdpa", "triton")
 SPAN = 256  # positions per program of the triton kernel (at most MAX_SPANS spans a row)
 MAX_SPANS = 16
@@ -85,15 +86,9 @@ class GatherAttention:
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         """q [rows, heads, dim] over keys and values [kv_heads, rows, span, dim], the
-        additive mask [rows, span] -> [rows, heads * dim]."""
-        kv, rows, span, dim = keys.shape
-        group, batch = self.heads // kv, rows * kv
-        queries = q.view(rows, kv, group, dim).transpose(0, 1).reshape(batch, group, dim)
-        scores = torch.bmm(queries, keys.reshape(batch, span, dim).transpose(1, 2))
-        scores = scores.view(kv, rows, group, span) + mask.view(1, rows, 1, span)
-        weights = torch.softmax(scores, dim=-1).view(batch, group, span)
-        out = torch.bmm(weights, values.reshape(batch, span, dim))
-        return out.view(kv, rows, group * dim).transpose(0, 1).reshape(rows, self.heads * dim)
+        additive mask [rows, span] -> [rows, heads * dim]: the eager step's products."""
+        rows, span = mask.shape
+        return attend_gathered(q, keys, values, mask.view(1, rows, 1, span))
 
 
 class SdpaAttention(GatherAttention):
