@@ -9,8 +9,15 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from adapters.engine import fused, llama
-from adapters.engine.fused import fused_problem, kernel_problem, rms_norm, rotate, silu_gate
-from adapters.engine.llama import _rms_norm, _rotate
+from adapters.engine.fused import (
+    fused_problem,
+    kernel_problem,
+    rms_norm,
+    rotate,
+    silu_gate,
+    torch_rms_norm,
+    torch_rotate,
+)
 from core.protocol import GenerationRequest, Sampling
 from tests.test_engine import PROMPTS, engine, run, tiny_llama
 
@@ -24,7 +31,7 @@ def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("width", [64, 576, 2048])  # 576: the default model, not a power of 2
 def test_rms_norm_is_the_torch_norm(width: int) -> None:
     x, weight = _randn(5, width) * 3, _randn(width, seed=1)
-    want = _rms_norm(x, weight, 1e-5, torch.float32)
+    want = torch_rms_norm(x, weight, 1e-5, torch.float32)
     torch.testing.assert_close(rms_norm(x, weight, 1e-5, torch.float32), want)
     halved = rms_norm(x, weight, 1e-5, torch.bfloat16)
     assert halved.dtype == torch.bfloat16
@@ -38,7 +45,7 @@ def test_rotate_is_the_torch_rotary_on_a_strided_view() -> None:
     angles = _randn(rows, dim // 2, seed=2)
     angles = torch.cat([angles, angles], dim=-1)
     cos, sin = angles.cos(), angles.sin()
-    want = _rotate(x, cos[:, None, :], sin[:, None, :])
+    want = torch_rotate(x, cos[:, None, :], sin[:, None, :])
     torch.testing.assert_close(rotate(x, cos, sin), want)
 
 

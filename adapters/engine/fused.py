@@ -21,6 +21,7 @@ import os
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 SILU_BLOCK = 1024  # gate columns per program
 
@@ -45,19 +46,17 @@ def kernel_problem(
     qk = torch.randn(3, 4, head_dim, generator=generator).to(device=device, dtype=dtype)
     angles = torch.randn(3, head_dim // 2, generator=generator).repeat(1, 2).to(device)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    gate_up = x[:, : hidden // 2 * 2].contiguous()
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     try:
-        half = head_dim // 2
-        pairs = [
-            (rms_norm(x, weight, 1e-5, dtype),
-             x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
-             * weight.float()),
-            (rotate(qk, cos, sin),
-             qk.float() * cos.float()[:, None]
-             + torch.cat([-qk[..., half:], qk[..., :half]], -1).float() * sin.float()[:, None]),
-            (silu_gate(x), torch.nn.functional.silu(x[:, : hidden // 2].float())
-             * x[:, hidden // 2 : 2 * (hidden // 2)].float()),
-        ]  # fmt: skip
+        pairs = [  # each kernel, and the torch ops it replaces in fp32
+            (rms_norm(x, weight, 1e-5, dtype), torch_rms_norm(x.float(), weight.float(), 1e-5)),
+            (
+                rotate(qk, cos, sin),
+                torch_rotate(qk.float(), cos.float()[:, None], sin.float()[:, None]),
+            ),
+            (silu_gate(gate_up), torch_silu_gate(gate_up.float())),
+        ]
         for got, want in pairs:
             if not torch.allclose(got.float(), want, rtol=tolerance, atol=tolerance):
                 return f"a kernel disagrees with torch by {(got.float() - want).abs().max():.3g}"
@@ -112,6 +111,28 @@ def silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
     grid = (rows, -(-width // SILU_BLOCK))
     kernels.silu_gate[grid](gate_up, out, width, BLOCK=SILU_BLOCK)
     return out
+
+
+def torch_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """RMSNorm as torch ops (the CPU path's, and rms_norm's reference), handed on in
+    the products' dtype `out`."""
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return normed.to(out)
+
+
+def torch_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as torch ops: x [..., dim] by cos and sin broadcast to it."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def torch_silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up as torch ops, gate_up = [gate | up]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _next_pow2(value: int) -> int:

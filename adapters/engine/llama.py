@@ -27,7 +27,16 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from adapters.engine.fused import fused_problem, kernel_problem, rms_norm, rotate, silu_gate
+from adapters.engine.fused import (
+    fused_problem,
+    kernel_problem,
+    rms_norm,
+    rotate,
+    silu_gate,
+    torch_rms_norm,
+    torch_rotate,
+    torch_silu_gate,
+)
 from adapters.engine.weights import (
     FORMATS,
     Projection,
@@ -452,21 +461,18 @@ class LlamaRunner:
         fused = layer.qkv(self._norm(x, layer.input_norm))
         fused = fused.to(self.state_dtype)
         qk = fused[:, : self._q_size + self._kv_size].view(rows, -1, self.head_dim)
-        qk = rotate(qk, cos[:, 0], sin[:, 0]) if self.fused else _rotate(qk, cos, sin)
+        qk = rotate(qk, cos[:, 0], sin[:, 0]) if self.fused else torch_rotate(qk, cos, sin)
         v = fused[:, self._q_size + self._kv_size :].view(rows, self.kv_heads, self.head_dim)
         return qk[:, : self.heads], qk[:, self.heads :], v
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         gate_up = layer.gate_up(self._norm(x, layer.post_norm))
-        if self.fused:
-            return layer.down(silu_gate(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return layer.down(F.silu(gate) * up)
+        return layer.down(silu_gate(gate_up) if self.fused else torch_silu_gate(gate_up))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.fused:
             return rms_norm(x, weight, self.eps, self.dtype)
-        return _rms_norm(x, weight, self.eps, self.dtype)
+        return torch_rms_norm(x, weight, self.eps, self.dtype)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self._norm(x, self.final_norm)).float()
@@ -494,18 +500,6 @@ def attend_gathered(
     weights = torch.softmax(scores, dim=-1).view(batch, group, length)
     out = torch.bmm(weights, values.reshape(batch, length, dim))
     return out.view(kv_heads, rows, group * dim).transpose(0, 1).reshape(rows, heads * dim)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.dtype) -> torch.Tensor:
-    """RMSNorm of the (fp32) residual stream, handed on in the products' dtype `out`."""
-    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-    return normed.to(out)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 def padded_table(table: list[int], width: int, fill: int = 0) -> list[int]:
