@@ -135,7 +135,6 @@ class LlamaRunner:
         block_size: int,
         max_context: int,
         weights: str = "fp32",
-        fused: bool | None = None,
     ) -> None:
         _check_supported(model)
         if weights not in FORMATS:
@@ -156,16 +155,12 @@ class LlamaRunner:
         self.embed, self.final_norm, self.lm_head, self.layers = _load_weights(
             model, weights, self.state_dtype, self.head_dim**-0.5
         )
-        # Norms, rotary and the SiLU gate as one triton kernel each (fused.py): on CUDA
-        # by default; fused=True forces them (the tests, through triton's interpreter).
+        # Norms, rotary and the SiLU gate as one triton kernel each (fused.py): on CUDA,
+        # once triton has built them and they agree with torch's ops here.
         hidden = int(config.hidden_size)
-        self.fused_problem = None if fused else fused_problem(self.device, hidden, self.head_dim)
-        if fused is None and self.fused_problem is None:  # built and checked here first
-            self.fused_problem = kernel_problem(
-                self.device, self.state_dtype, hidden, self.head_dim
-            )
-        if fused is False:
-            self.fused_problem = "not asked for"
+        self.fused_problem = fused_problem(self.device, hidden, self.head_dim) or kernel_problem(
+            self.device, self.state_dtype, hidden, self.head_dim
+        )
         self.fused = self.fused_problem is None
         # Set by the engine when its decode attention is paged_attention.py's kernel:
         # prefills that read few enough positions then attend row by row through it.
