@@ -650,19 +650,9 @@ class ShapeRun:
         return bool(self.model.device.type == "cuda")
 
     def fencepost(self, n: int) -> None:
-        if not self.budget.allows(5, f"fencepost at {n} streams"):
-            return
-        batch = [request(f"s{n}-{i}", p, self.tokens) for i, p in enumerate(self.plist[:n])]
-        run = drive(self.engine, batch, self.budget.deadline(25))
-        made = sum(len(v) for v in run.outputs.values())
-        rate = made / run.seconds
-        step = statistics.median(run.decode_step_s) if run.decode_step_s else 0.0
-        note = "" if run.finished else f", cut at the deadline after {made} tokens"
-        print(f"  {rate:,.1f} tok/s (decode step p50 {step * 1e3:.1f} ms{note})")
-        self.results.rates[(self.key, f"fencepost {n}")] = rate
-        label = f"fencepost, {n} stream{'s' if n > 1 else ''}"
-        cut = "" if run.finished else "*"
-        self.table[label] = f"{rate:,.1f}{cut} (step {step * 1e3:.1f} ms)"
+        if self.budget.allows(5, f"fencepost at {n} streams"):
+            rate = self._measure(self.engine, n, f"fencepost, {n} stream{'s' if n > 1 else ''}")
+            self.results.rates[(self.key, f"fencepost {n}")] = rate
 
     def fencepost_eager(self) -> None:
         """One stream through the eager decode step (no graphs): what capture gains."""
@@ -673,17 +663,20 @@ class ShapeRun:
             loaded(self.model, SHAPES[self.key]), weights, 1, self.tokens, decode="eager"
         )
         drive(engine, [request("warm-eager", self.plist[0], 4)], self.budget.deadline(20))
-        run = drive(
-            engine, [request("eager", self.plist[0], self.tokens)], self.budget.deadline(25)
-        )
-        made = len(run.outputs["eager"])
+        self._measure(engine, 1, "fencepost, eager decode, 1 stream")
+
+    def _measure(self, engine: Engine, n: int, label: str) -> float:
+        """tokens/s of n streams at once on `engine`, printed and put in the table."""
+        batch = [request(f"s{n}-{i}", p, self.tokens) for i, p in enumerate(self.plist[:n])]
+        run = drive(engine, batch, self.budget.deadline(25))
+        made = sum(len(v) for v in run.outputs.values())
         rate = made / run.seconds
         step = statistics.median(run.decode_step_s) if run.decode_step_s else 0.0
-        print(f"  {rate:,.1f} tok/s (decode step p50 {step * 1e3:.1f} ms)")
+        note = "" if run.finished else f", cut at the deadline after {made} tokens"
+        print(f"  {rate:,.1f} tok/s (decode step p50 {step * 1e3:.1f} ms{note})")
         cut = "" if run.finished else "*"
-        self.table["fencepost, eager decode, 1 stream"] = (
-            f"{rate:,.1f}{cut} (step {step * 1e3:.1f} ms)"
-        )
+        self.table[label] = f"{rate:,.1f}{cut} (step {step * 1e3:.1f} ms)"
+        return rate
 
     def hf_compiled(self) -> None:
         if self.budget.allows(75 if self.cuda else 5, "HF static cache + torch.compile"):
