@@ -83,7 +83,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.dtype
     x = x.contiguous()
     rows, width = x.shape
     result = torch.empty((rows, width), dtype=out, device=x.device)
-    block = _next_pow2(width)
+    block = next_pow2(width)
     kernels.rms_norm[(rows,)](x, weight, result, width, eps, BLOCK=block, num_warps=_warps(block))
     return result
 
@@ -135,7 +135,8 @@ def torch_silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _next_pow2(value: int) -> int:
+def next_pow2(value: int) -> int:
+    """The smallest power of two at least `value` (a triton block's size)."""
     return 1 << max(0, (value - 1).bit_length())
 
 

@@ -36,7 +36,6 @@ run on CPU tensors, which is how the tests check them against "gather".
 from __future__ import annotations
 
 import functools
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from adapters.engine.fused import next_pow2
 from adapters.engine.llama import Attend, attend_gathered
 
 ATTENTIONS = ("gather", "sdpa", "triton")
@@ -126,8 +126,8 @@ class TritonAttention:
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.block_size = block_size
         self.group = heads // kv_heads
-        self.group_p2 = max(2, 1 << (self.group - 1).bit_length())
-        self.span = max(SPAN, _next_pow2(-(-max_context // MAX_SPANS)))
+        self.group_p2 = max(2, next_pow2(self.group))
+        self.span = max(SPAN, next_pow2(-(-max_context // MAX_SPANS)))
         self.spans = -(-max_context // self.span)
 
     def bind(
@@ -292,10 +292,6 @@ class _Trial:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _next_pow2(value: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1, value))))
 
 
 @functools.cache
