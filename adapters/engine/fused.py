@@ -65,11 +65,18 @@ def kernel_problem(
     return None
 
 
-def fused_shape_problem(hidden: int, head_dim: int) -> str | None:
+def triton_missing() -> str | None:
+    """Why triton cannot be used here, or None."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return "triton is not installed"
+    return None
+
+
+def fused_shape_problem(hidden: int, head_dim: int) -> str | None:
+    if problem := triton_missing():
+        return problem
     if head_dim < 4 or head_dim & (head_dim - 1):
         return f"head size {head_dim} is not a power of two"
     if hidden > 32768:

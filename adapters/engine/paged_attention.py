@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from adapters.engine.fused import next_pow2
+from adapters.engine.fused import next_pow2, triton_missing
 from adapters.engine.llama import Attend, attend_gathered
 
 ATTENTIONS = ("gather", "sdpa", "triton")
@@ -175,15 +175,6 @@ def triton_problem(heads: int, kv_heads: int, head_dim: int) -> str | None:
     return None
 
 
-def triton_available() -> str | None:
-    """Why triton cannot be used here, or None."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "triton is not installed"
-    return None
-
-
 def make_attention(
     name: str, heads: int, kv_heads: int, head_dim: int, block_size: int, max_context: int
 ) -> GatherAttention | TritonAttention:
@@ -245,7 +236,7 @@ def _candidates(runner: Any, say: Callable[[str], None]) -> list[GatherAttention
     candidates: list[GatherAttention | TritonAttention] = [GatherAttention(*shape)]
     if runner.device.type == "cuda":  # on CPU the flash kernel's fixed costs lose (llama.py)
         candidates.append(SdpaAttention(*shape))
-    problem = triton_available() or triton_problem(*shape[:3])
+    problem = triton_missing() or triton_problem(*shape[:3])
     if runner.device.type != "cuda":
         problem = problem or f"the kernel is compiled for CUDA, not {runner.device.type}"
     if problem is None:
