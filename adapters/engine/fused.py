@@ -10,7 +10,8 @@ is one kernel that reads its inputs once, computes in fp32 and rounds once.
 Used on CUDA whenever triton is there and the shape fits (`fused_problem`),
 by prefill and decode alike, so that a position prefilled and one decoded go
 through the same arithmetic; FENCEPOST_FUSED=off leaves them out (the start
-log says which). CPU keeps torch's ops. The kernels are built at first use;
+log says which). CPU keeps torch's ops, which live here too (torch_*): the
+CPU path, and the kernels' reference. The kernels are built at first use;
 the tests run them through triton's interpreter against the torch ops.
 """
 
