@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Literal
 
@@ -12,7 +13,13 @@ import torch
 
 from adapters.engine.choose import choose, working_formats
 from adapters.engine.engine import Engine
-from adapters.engine.model import DEFAULT_MODEL_NAME, LoadedModel, load_model
+from adapters.engine.model import (
+    DEFAULT_MODEL_NAME,
+    LoadedModel,
+    default_gguf_path,
+    fingerprint,
+    load_model,
+)
 from adapters.engine.quality import gate_cache, passes, perplexities
 from core.batching import BatchLimits
 from core.protocol import Assignment, Decoded, GenerationRequest, Sampling
@@ -116,6 +123,35 @@ def test_a_second_start_loads_the_dequantized_copy_with_identical_weights(
         assert torch.equal(first_state[name], second_state[name])
     prompt = chat(second, "Hello!")
     assert prompt == chat(first_load, "Hello!")
+
+
+def test_a_reinstalled_copy_of_the_gguf_reuses_the_dequantized_copy(
+    first_load: LoadedModel, cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another virtual environment or clone holds the same file at another path with
+    # another time: it must find the saved copy, not write a second one.
+    monkeypatch.setenv("FENCEPOST_CACHE", str(cache))
+    original = default_gguf_path()
+    reinstalled = tmp_path / "elsewhere" / original.name
+    reinstalled.parent.mkdir()
+    shutil.copyfile(original, reinstalled)
+    assert reinstalled.stat().st_mtime_ns != original.stat().st_mtime_ns
+    before = sorted((cache / "models").iterdir())
+    again = load_model(reinstalled, quiet=True)
+    assert Path(again.source) in before
+    assert sorted((cache / "models").iterdir()) == before
+
+
+def test_a_files_fingerprint_follows_its_bytes_not_its_place(tmp_path: Path) -> None:
+    one, two = tmp_path / "one.gguf", tmp_path / "two.gguf"
+    one.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    two.write_bytes(one.read_bytes())
+    assert fingerprint(one) == fingerprint(two)
+    changed = bytearray(one.read_bytes())
+    changed[1000] ^= 1
+    three = tmp_path / "three.gguf"
+    three.write_bytes(bytes(changed))
+    assert fingerprint(one) != fingerprint(three)
 
 
 def test_incremental_detokenizing_matches_a_full_decode_with_the_real_tokenizer(

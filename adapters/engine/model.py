@@ -10,6 +10,7 @@ that instead.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -216,10 +217,25 @@ def model_key(loaded: LoadedModel) -> str:
 
 
 def fingerprint(path: Path) -> str:
+    """A short name for a model source in cache keys. A file (a GGUF) is named by its
+    content, so every copy of it (a reinstall, another virtual environment, a fresh
+    clone) finds the one dequantized copy already saved instead of writing another
+    half-gigabyte folder; a directory is named by its path, size and time."""
     stat = path.stat()
+    if path.is_file():
+        return _content_digest(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
     return hashlib.sha256(
         f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
     ).hexdigest()[:12]
+
+
+@functools.lru_cache(maxsize=16)
+def _content_digest(resolved: str, size: int, mtime_ns: int) -> str:
+    """SHA-256 of a file's bytes (about 0.06 s for the default 98 MB GGUF), computed once
+    per process for each (path, size, time): a file rewritten in place is read again."""
+    del size, mtime_ns  # part of the memo's key only
+    with open(resolved, "rb") as source:
+        return hashlib.file_digest(source, "sha256").hexdigest()[:12]
 
 
 def _device(device: str) -> Any:
