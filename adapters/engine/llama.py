@@ -115,6 +115,13 @@ class Chunk(NamedTuple):
     tokens: torch.Tensor  # [count] token ids
 
 
+def state_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """What the runner keeps its activations, rotary tables and (but for w4a16) caches
+    in: fp32 on a CPU, whose elementwise work is no faster in 16 bits, and the weights'
+    activation dtype on a GPU."""
+    return torch.float32 if device.type == "cpu" else dtype
+
+
 class LlamaRunner:
     """The model's weights in one format (adapters/engine/weights.py), the paged KV
     pool, and the forward passes.
@@ -143,7 +150,7 @@ class LlamaRunner:
         self.format = weights
         self.device = next(model.parameters()).device
         self.dtype = activation_dtype(weights)
-        self.state_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        self.state_dtype = state_dtype(self.device, self.dtype)
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(config.num_key_value_heads)
         self.head_dim = int(
