@@ -12,6 +12,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaForCausalLM
 
 from adapters.engine.engine import Engine
@@ -101,6 +102,52 @@ def test_padding_rows_touch_only_the_scratch_block(tiny: LlamaForCausalLM) -> No
             assert torch.equal(runner.k_cache[:, :, slot], before_k[:, :, slot]), slot
             assert torch.equal(runner.v_cache[:, :, slot], before_v[:, :, slot]), slot
     assert not torch.equal(runner.k_cache[:, :, scratch[0]], before_k[:, :, scratch[0]])
+
+
+# Ops that read a device tensor's value on the host (.item(), bool(), nonzero's count) or
+# build a tensor from host data (torch.tensor): each stops or breaks a CUDA graph capture.
+# (.tolist() on a CPU tensor reads memory without an op of its own: not seen here.)
+HOST_READS = {
+    "aten._local_scalar_dense.default",
+    "aten.item.default",  # what .item() and int() reach under inference_mode
+    "aten.is_nonzero.default",  # bool(tensor)
+    "aten.nonzero.default",
+    "aten.masked_select.default",
+    "aten._unique2.default",
+    "aten.lift_fresh.default",
+}
+
+
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(  # type: ignore[no-untyped-def]
+        self, func, types, args=(), kwargs=None
+    ):
+        self.ops.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("attention", ["gather", "sdpa"])
+def test_the_fixed_shape_step_reads_nothing_back_from_the_device(
+    tiny: LlamaForCausalLM, attention: str
+) -> None:
+    """What a capture needs, checked on CPU: the step, as a graph would record it, runs
+    no op that reads a tensor's value on the host or makes a tensor of host data.
+    (The triton kind launches kernels, which read nothing; under the interpreter
+    they copy to numpy, so they are not probed here.)"""
+    step = engine(tiny, decode="static", attention=attention).static
+    assert step is not None
+    recorder = _OpRecorder()
+    with recorder:
+        step._forward(4)
+    assert "aten.index_put_.default" in recorder.ops  # the probe saw the step's cache writes
+    assert not recorder.ops & HOST_READS, recorder.ops & HOST_READS
+    with recorder, torch.inference_mode():  # and it would have caught one
+        int(torch.ones(2).sum())
+    assert recorder.ops & HOST_READS
 
 
 def _random_case(
