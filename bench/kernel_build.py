@@ -59,6 +59,7 @@ TYPE_NAMES = {
     torch.int32: "i32",
     torch.int64: "i64",
 }
+COMPILED_WITH: set[str] = set()  # the triton versions the child processes compiled with
 VOCAB = 512  # the vocabulary changes no kernel's shape: small keeps the CPU run short
 
 
@@ -169,11 +170,14 @@ def record(shape: Shape, dtype: str) -> list[Launch]:
     return sorted(seen, key=lambda launch: (launch.kernel, repr(launch)))
 
 
-def compile_all(launches: list[Launch], arch: int) -> list[Built]:
+def compile_all(launches: list[Launch], arch: int, triton_from: Path | None = None) -> list[Built]:
     """Each launch compiled for sm_`arch`, in a child process: triton's interpreter,
     once it has run a kernel, leaves the language patched for interpreting, and the
-    compiler needs it as it was."""
+    compiler needs it as it was. `triton_from`: a folder holding another triton
+    (`pip install --no-deps --target DIR triton==X`) for the child to compile with."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    if triton_from is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(triton_from), env.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory() as folder:
         asked = Path(folder) / "launches.json"
         asked.write_text(json.dumps([dataclasses.asdict(launch) for launch in launches]))
@@ -187,7 +191,8 @@ def compile_all(launches: list[Launch], arch: int) -> list[Built]:
         )
     if done.returncode != 0:
         raise RuntimeError(f"the compiling process failed:\n{done.stderr[-4000:]}")
-    results = json.loads(done.stdout.splitlines()[-1])
+    version, results = json.loads(done.stdout.splitlines()[-1])
+    COMPILED_WITH.add(version)
     return [Built(launch, **result) for launch, result in zip(launches, results, strict=True)]
 
 
@@ -221,7 +226,7 @@ def _compile_here(asked: Path, arch: int) -> None:
                 "shared": compiled.metadata.shared,
             }
         )
-    print(json.dumps(results))
+    print(json.dumps([triton.__version__, results]))
 
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
@@ -257,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (sm_90)")
     parser.add_argument("--shapes", default="135m,1b,8b", help=f"of {','.join(SHAPES)}")
     parser.add_argument("--dtypes", default="bfloat16,float32", help=f"of {','.join(DTYPES)}")
+    parser.add_argument(
+        "--triton-from",
+        type=Path,
+        help="compile with the triton in this folder (pip install --no-deps --target DIR "
+        "triton==X), e.g. the device's version; the recording run keeps this one",
+    )
     parser.add_argument("--compile", type=Path, help=argparse.SUPPRESS)  # the child's part
     args = parser.parse_args(argv)
     if args.compile:
@@ -268,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     for shape_name in args.shapes.split(","):
         shape = SHAPES[shape_name]
         for dtype_name in args.dtypes.split(","):
-            for built in compile_all(record(shape, dtype_name), args.arch):
+            for built in compile_all(record(shape, dtype_name), args.arch, args.triton_from):
                 launch = built.launch
                 types = ",".join(kind for _, kind in launch.signature if kind.startswith("*"))
                 label = f"{shape.name:13} {dtype_name:8} {launch.kernel:17}"
@@ -281,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"shared {built.shared!s:>6} {built.seconds:5.1f} s  "
                     f"[{_constants(launch)}; warps {launch.num_warps}; {types}]"
                 )
+    print(f"compiled with triton {', '.join(sorted(COMPILED_WITH))}; {failed} failed")
     return 1 if failed else 0
 
 
