@@ -141,7 +141,10 @@ class StaticDecode:
                     self._forward(size)
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: CUDA calls made meanwhile by other threads of the process (a
+            # library's background thread, a benchmark's abandoned call) neither fail
+            # nor spoil this capture; only this thread's own unsafe calls are errors.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self._outputs[size] = self._forward(size)
             pool = graph.pool()
             self._graphs[size] = graph
