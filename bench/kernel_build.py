@@ -209,10 +209,19 @@ def _compile_here(asked: Path, arch: int) -> None:
     by_name = kernels()
     results = []
     for item in json.loads(asked.read_text()):
+        kernel = by_name[item["kernel"]]
         constants = {name: value for name, value in item["constants"]}
         signature = {name: kind for name, kind in item["signature"]}
-        signature |= {name: "constexpr" for name in constants}
-        source = ASTSource(fn=by_name[item["kernel"]], signature=signature, constexprs=constants)
+        if "constexprs" in inspect.signature(ASTSource).parameters:  # triton 3.2 and later
+            signature |= {name: "constexpr" for name in constants}
+            source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+        else:  # 3.0, 3.1: arguments by position, the constants apart
+            at = kernel.arg_names.index
+            source = ASTSource(
+                fn=kernel,
+                signature={at(name): kind for name, kind in signature.items()},
+                constants={at(name): value for name, value in constants.items()},
+            )
         began = time.perf_counter()
         try:
             compiled = triton.compile(
@@ -236,9 +245,12 @@ def _compile_here(asked: Path, arch: int) -> None:
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int | None, int | None]:
     """Registers per thread and spill stores (bytes), as the ptxas triton ships reports."""
-    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.backends.nvidia import compiler
 
-    ptxas = get_ptxas(arch).path  # the one triton's compile used for this target
+    if hasattr(compiler, "get_ptxas"):  # the one triton's compile used for this target
+        ptxas = compiler.get_ptxas(arch).path
+    else:  # before 3.4: one ptxas for every target
+        ptxas = compiler._path_to_binary("ptxas")[0]
     suffix = "a" if arch >= 90 else ""
     with tempfile.TemporaryDirectory() as folder:
         source = Path(folder) / "kernel.ptx"

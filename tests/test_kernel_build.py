@@ -47,3 +47,13 @@ def test_a_kernel_the_compiler_refuses_is_reported_not_hidden() -> None:
     )  # fmt: skip
     (built,) = kernel_build.compile_all([launch], arch=90)
     assert built.error is not None and "power of 2" in built.error
+
+
+def test_no_kernel_reads_a_name_from_a_closure() -> None:
+    """Triton 3.1 (torch 2.5's, in the CUDA image) looks a kernel's names up in its
+    module's globals only: a kernel that used `tl` from an enclosing function failed to
+    compile there (`bench/kernel_build.py --triton-from` a 3.1 install showed it)."""
+    for name, kernel in kernel_build.kernels().items():
+        function = getattr(kernel, "fn", kernel)
+        assert function.__code__.co_freevars == (), (name, function.__code__.co_freevars)
+        assert "tl" in function.__globals__, name

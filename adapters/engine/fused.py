@@ -11,7 +11,8 @@ Used on CUDA whenever triton is there and the shape fits (`fused_problem`),
 by prefill and decode alike, so that a position prefilled and one decoded go
 through the same arithmetic; FENCEPOST_FUSED=off leaves them out (the start
 log says which). CPU keeps torch's ops, which live here too (torch_*): the
-CPU path, and the kernels' reference. The kernels are built at first use;
+CPU path, and the kernels' reference. The kernels (triton_kernels.py) are
+imported at first use;
 the tests run them through triton's interpreter against the torch ops.
 """
 
@@ -159,44 +160,6 @@ class _Kernels:
 
 @functools.cache
 def _kernels() -> _Kernels:
-    import triton
-    import triton.language as tl
+    from adapters.engine import triton_kernels as kernels
 
-    @triton.jit  # type: ignore[untyped-decorator]
-    def rms_norm_kernel(x_ptr, w_ptr, out_ptr, width, eps, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        inside = cols < width
-        x = tl.load(x_ptr + row * width + cols, mask=inside, other=0.0).to(tl.float32)
-        scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / width + eps)
-        w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-        y = x * scale * w
-        tl.store(out_ptr + row * width + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def rotate_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, row_stride, HALF: tl.constexpr):  # type: ignore[no-untyped-def]
-        row = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        heads = tl.num_programs(1)
-        i = tl.arange(0, HALF)
-        at = x_ptr + row * row_stride + head * (2 * HALF)
-        x1 = tl.load(at + i).to(tl.float32)
-        x2 = tl.load(at + HALF + i).to(tl.float32)
-        c = tl.load(cos_ptr + row * (2 * HALF) + i).to(tl.float32)
-        s = tl.load(sin_ptr + row * (2 * HALF) + i).to(tl.float32)
-        to = out_ptr + (row * heads + head) * (2 * HALF)
-        kind = out_ptr.dtype.element_ty
-        tl.store(to + i, (x1 * c - x2 * s).to(kind))
-        tl.store(to + HALF + i, (x2 * c + x1 * s).to(kind))
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def silu_gate_kernel(x_ptr, out_ptr, width, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        inside = cols < width
-        gate = tl.load(x_ptr + row * 2 * width + cols, mask=inside, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + row * 2 * width + width + cols, mask=inside, other=0.0).to(tl.float32)
-        y = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(out_ptr + row * width + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
-
-    return _Kernels(rms_norm_kernel, rotate_kernel, silu_gate_kernel)
+    return _Kernels(kernels.rms_norm, kernels.rotate, kernels.silu_gate)

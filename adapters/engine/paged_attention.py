@@ -28,7 +28,7 @@ layer's cache [kv_heads, slots, dim], and give [rows, heads * dim].
 `bind(tables, lengths)` does the per-step work once (the mask, the span
 grid) and returns the per-layer function.
 
-The kernels are built at first use (triton imported then), so CPU serving
+The kernels (triton_kernels.py) are imported at first use, so CPU serving
 never imports triton; with TRITON_INTERPRET=1 set before that first use they
 run on CPU tensors, which is how the tests check them against "gather".
 """
@@ -287,84 +287,7 @@ def _sync(device: torch.device) -> None:
 
 @functools.cache
 def _kernels() -> tuple[Any, Any]:
-    """The two triton kernels, built at first use (see the module's docstring)."""
-    import triton
-    import triton.language as tl
+    """The two triton kernels, imported at first use (see the module's docstring)."""
+    from adapters.engine import triton_kernels as kernels
 
-    @triton.jit  # type: ignore[untyped-decorator]
-    def partial(  # type: ignore[no-untyped-def]
-        q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, top_ptr, total_ptr, acc_ptr,
-        q_stride, slots, width, spans,
-        HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-        BLOCK: tl.constexpr, SPAN: tl.constexpr, CHUNK: tl.constexpr,
-    ):  # fmt: skip
-        row = tl.program_id(0)
-        kv = tl.program_id(1)
-        part = tl.program_id(2)
-        kv_heads = tl.num_programs(1)
-        g = tl.arange(0, GROUP_P2)
-        d = tl.arange(0, HEAD_DIM)
-        live = g < GROUP
-        head = kv * GROUP + g
-        q_at = row * q_stride + head[:, None] * HEAD_DIM + d[None, :]
-        q = tl.load(q_ptr + q_at, mask=live[:, None], other=0.0).to(tl.float32)
-        length = tl.load(lengths_ptr + row)
-        start = part * SPAN
-        end = tl.minimum(length, start + SPAN)
-        top = tl.full([GROUP_P2], float("-inf"), tl.float32)
-        total = tl.zeros([GROUP_P2], tl.float32)
-        acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
-        base = kv.to(tl.int64) * slots * HEAD_DIM
-        for first in range(start, end, CHUNK):
-            position = first + tl.arange(0, CHUNK)
-            valid = position < end
-            block = tl.load(tables_ptr + row * width + position // BLOCK, mask=valid, other=0)
-            slot = block.to(tl.int64) * BLOCK + position % BLOCK
-            at = base + slot[:, None] * HEAD_DIM + d[None, :]
-            k = tl.load(k_ptr + at, mask=valid[:, None], other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + at, mask=valid[:, None], other=0.0).to(tl.float32)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            new_top = tl.maximum(top, tl.max(scores, axis=1))
-            scale = tl.exp(top - new_top)
-            p = tl.exp(scores - new_top[:, None])
-            total = total * scale + tl.sum(p, axis=1)
-            acc = acc * scale[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            top = new_top
-        # A span past the row's length stores nothing: join reads only the spans in use.
-        used = g < tl.where(start < length, GROUP_P2, 0)
-        out = ((row * kv_heads + kv) * spans + part) * GROUP_P2 + g
-        tl.store(top_ptr + out, top, mask=used)
-        tl.store(total_ptr + out, total, mask=used)
-        tl.store(acc_ptr + out[:, None] * HEAD_DIM + d[None, :], acc, mask=used[:, None])
-
-    @triton.jit  # type: ignore[untyped-decorator]
-    def join(  # type: ignore[no-untyped-def]
-        top_ptr, total_ptr, acc_ptr, out_ptr, lengths_ptr, spans,
-        HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-        SPAN: tl.constexpr,
-    ):  # fmt: skip
-        row = tl.program_id(0)
-        kv = tl.program_id(1)
-        kv_heads = tl.num_programs(1)
-        g = tl.arange(0, GROUP_P2)
-        d = tl.arange(0, HEAD_DIM)
-        first = (row * kv_heads + kv) * spans
-        used = tl.cdiv(tl.load(lengths_ptr + row), SPAN)  # the spans partial filled
-        best = tl.full([GROUP_P2], float("-inf"), tl.float32)
-        for s in range(0, used):
-            best = tl.maximum(best, tl.load(top_ptr + (first + s) * GROUP_P2 + g))
-        weight_sum = tl.zeros([GROUP_P2], tl.float32)
-        acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
-        for s in range(0, used):  # in span order: the same sum whatever the batch
-            at = (first + s) * GROUP_P2 + g
-            scale = tl.exp(tl.load(top_ptr + at) - best)
-            weight_sum += tl.load(total_ptr + at) * scale
-            acc += tl.load(acc_ptr + at[:, None] * HEAD_DIM + d[None, :]) * scale[:, None]
-        result = acc / weight_sum[:, None]
-        head = kv * GROUP + g
-        out_at = (row * kv_heads * GROUP + head)[:, None] * HEAD_DIM + d[None, :]
-        live = g < GROUP
-        tl.store(out_ptr + out_at, result.to(out_ptr.dtype.element_ty), mask=live[:, None])
-
-    return partial, join
+    return kernels.partial, kernels.join
