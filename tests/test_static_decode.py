@@ -155,9 +155,10 @@ def _random_case(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, one layer's k and v caches, tables and lengths: tables of random distinct
     blocks (not runs), the first two rows sharing their first block."""
-    block, blocks = 16, 80
+    block = 16
     generator = torch.Generator().manual_seed(seed)
     width = max(-(-n // block) for n in lengths)
+    blocks = max(80, width)
     heads = kv_heads * group  # q as the runner hands it: the first heads of q and k
     q = torch.randn(len(lengths), heads + kv_heads, dim, generator=generator)[:, :heads]
     k_cache = torch.randn(kv_heads, blocks * block, dim, generator=generator)
@@ -188,6 +189,22 @@ def test_the_triton_kernel_and_sdpa_attend_as_the_torch_gather(
     # Told the longest row, the kernel runs only the spans it needs: the same result.
     fewer = kernel.bind(tables[:4], lengths_t[:4], longest=300)(q[:4], k_cache, v_cache)
     assert torch.equal(fewer, kernel.bind(tables[:4], lengths_t[:4])(q[:4], k_cache, v_cache))
+
+
+def test_long_rows_share_their_work_among_sixteen_spans_and_attend_as_the_gather() -> None:
+    """Past 16 spans of 256 positions a row's spans grow by its own length (so a row
+    is still the same in any batch), not by max_context: at 8192 the kernel keeps 16
+    programs a row and key head, and rows on both sides of 4096 attend exactly."""
+    lengths = [5000, 300, 4097, 4096]  # spans of 512 (10 used), 256 (2), 512 (9), 256 (16)
+    q, k_cache, v_cache, tables, lengths_t = _random_case(1, 2, 16, lengths, 5)
+    kernel = TritonAttention(2, 1, 16, 16, max_context=8192)
+    assert kernel.spans == 16
+    want = GatherAttention(2, 1, 16, 16).bind(tables, lengths_t)(q, k_cache, v_cache)
+    together = kernel.bind(tables, lengths_t)(q, k_cache, v_cache)
+    torch.testing.assert_close(together, want, rtol=1e-5, atol=1e-5)
+    for row in (0, 2):
+        alone = kernel.bind(tables[row : row + 1], lengths_t[row : row + 1], longest=lengths[row])
+        assert torch.equal(alone(q[row : row + 1], k_cache, v_cache)[0], together[row])
 
 
 def test_a_rows_attention_does_not_depend_on_its_batch() -> None:

@@ -14,12 +14,14 @@ ways to spend that, chosen at start by timing them on the device
   candidate on CUDA only: on CPU its kernel's fixed costs lose, llama.py).
 - "triton": a kernel that reads each row's blocks where they lie in the
   pool, up to that row's own length, so a step costs what the rows really
-  hold. A row's positions are cut into spans of `span` positions; one
-  program per (row, key head, span) runs an online softmax over its span for
-  the query heads sharing that key head, and a second kernel joins the
-  spans' partial results in span order. The spans depend on a row's length
-  alone, so a row's result is the same in any batch (no split chosen by how
-  busy the step is). A program whose span lies past its row's length reads
+  hold. A row's positions are cut into spans of SPAN (256) positions, or, for
+  a row longer than MAX_SPANS (16) such spans, into 16 spans of the multiple
+  of 256 that covers it; one program per (row, key head, span) runs an online
+  softmax over its span for the query heads sharing that key head, and a
+  second kernel joins the spans' partial results in span order. So up to 16
+  programs share a long row's work whatever max_context is, and the spans
+  depend on a row's length alone, so a row's result is the same in any batch
+  (no split chosen by how busy the step is). A program whose span lies past its row's length reads
   and stores nothing, and the join reads only the spans a row uses.
 
 All take q [rows, heads, dim] (already scaled by 1/sqrt(dim); rows may be
@@ -47,8 +49,8 @@ from adapters.engine.fused import next_pow2, triton_missing
 from adapters.engine.llama import Attend, attend_gathered
 
 ATTENTIONS = ("gather", "sdpa", "triton")
-SPAN = 256  # positions per program of the triton kernel (at most MAX_SPANS spans a row)
-MAX_SPANS = 16
+SPAN = 256  # positions per program of the triton kernel, for rows up to MAX_SPANS * SPAN
+MAX_SPANS = 16  # programs per row and key head at most; a longer row's spans are longer
 CHUNK = 16  # positions a program reads per iteration
 
 
@@ -127,8 +129,7 @@ class TritonAttention:
         self.block_size = block_size
         self.group = heads // kv_heads
         self.group_p2 = max(2, next_pow2(self.group))
-        self.span = max(SPAN, next_pow2(-(-max_context // MAX_SPANS)))
-        self.spans = -(-max_context // self.span)
+        self.spans = min(MAX_SPANS, -(-max_context // SPAN))  # the most a row can use
 
     def bind(
         self, tables: torch.Tensor, lengths: torch.Tensor, longest: int | None = None
@@ -138,7 +139,7 @@ class TritonAttention:
         partial, join = _kernels()
         rows, width = tables.shape
         device = tables.device
-        spans = self.spans if longest is None else min(self.spans, -(-longest // self.span))
+        spans = self.spans if longest is None else min(self.spans, -(-longest // SPAN))
         shape = (rows, self.kv_heads, spans, self.group_p2)
         top = torch.empty(shape, dtype=torch.float32, device=device)
         total = torch.empty(shape, dtype=torch.float32, device=device)
@@ -154,12 +155,12 @@ class TritonAttention:
                 q, k_cache, v_cache, tables, lengths, top, total, acc,
                 q.stride(0), slots, width, spans,
                 HEAD_DIM=self.head_dim, GROUP=self.group, GROUP_P2=self.group_p2,
-                BLOCK=self.block_size, SPAN=self.span, CHUNK=CHUNK,
+                BLOCK=self.block_size, SPAN=SPAN, PARTS=MAX_SPANS, CHUNK=CHUNK,
             )  # fmt: skip
             join[(rows, self.kv_heads)](
                 top, total, acc, out, lengths, spans,
                 HEAD_DIM=self.head_dim, GROUP=self.group, GROUP_P2=self.group_p2,
-                SPAN=self.span,
+                SPAN=SPAN, PARTS=MAX_SPANS,
             )  # fmt: skip
             return out
 

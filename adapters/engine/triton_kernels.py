@@ -25,7 +25,7 @@ def partial(  # type: ignore[no-untyped-def]
     q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, top_ptr, total_ptr, acc_ptr,
     q_stride, slots, width, spans,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-    BLOCK: tl.constexpr, SPAN: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr, SPAN: tl.constexpr, PARTS: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     kv = tl.program_id(1)
@@ -38,8 +38,11 @@ def partial(  # type: ignore[no-untyped-def]
     q_at = row * q_stride + head[:, None] * HEAD_DIM + d[None, :]
     q = tl.load(q_ptr + q_at, mask=live[:, None], other=0.0).to(tl.float32)
     length = tl.load(lengths_ptr + row)
-    start = part * SPAN
-    end = tl.minimum(length, start + SPAN)
+    # The row's span: SPAN positions, or the multiple of SPAN that cuts the row into at
+    # most PARTS spans, so that a long row's work is shared by PARTS programs a key head.
+    span = SPAN * tl.cdiv(tl.cdiv(length, SPAN), PARTS)
+    start = part * span
+    end = tl.minimum(length, start + span)
     top = tl.full([GROUP_P2], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_P2], tl.float32)
     acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
@@ -72,7 +75,7 @@ def partial(  # type: ignore[no-untyped-def]
 def join(  # type: ignore[no-untyped-def]
     top_ptr, total_ptr, acc_ptr, out_ptr, lengths_ptr, spans,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-    SPAN: tl.constexpr,
+    SPAN: tl.constexpr, PARTS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     kv = tl.program_id(1)
@@ -80,7 +83,8 @@ def join(  # type: ignore[no-untyped-def]
     g = tl.arange(0, GROUP_P2)
     d = tl.arange(0, HEAD_DIM)
     first = (row * kv_heads + kv) * spans
-    used = tl.cdiv(tl.load(lengths_ptr + row), SPAN)  # the spans partial filled
+    length = tl.load(lengths_ptr + row)
+    used = tl.cdiv(length, SPAN * tl.cdiv(tl.cdiv(length, SPAN), PARTS))  # spans filled
     best = tl.full([GROUP_P2], float("-inf"), tl.float32)
     for s in range(0, used):
         best = tl.maximum(best, tl.load(top_ptr + (first + s) * GROUP_P2 + g))
