@@ -96,7 +96,7 @@ def kernels() -> dict[str, Any]:
         "attention.partial": partial,
         "attention.join": join,
         "fused.rms_norm": elementwise.rms_norm,
-        "fused.rotate": elementwise.rotate,
+        "fused.rotate_store": elementwise.rotate_store,
         "fused.silu_gate": elementwise.silu_gate,
     }
 
@@ -138,7 +138,7 @@ def recording(seen: set[Launch]) -> Iterator[None]:
     by_name = {name: _Recording(kernel, name, seen) for name, kernel in kernels().items()}
     attention = (by_name["attention.partial"], by_name["attention.join"])
     elementwise = fused._Kernels(
-        by_name["fused.rms_norm"], by_name["fused.rotate"], by_name["fused.silu_gate"]
+        by_name["fused.rms_norm"], by_name["fused.rotate_store"], by_name["fused.silu_gate"]
     )
     with ExitStack() as stack:
         for module, name, value in (

@@ -13,10 +13,10 @@ from adapters.engine.fused import (
     fused_problem,
     kernel_problem,
     rms_norm,
-    rotate,
+    rotate_store,
     silu_gate,
     torch_rms_norm,
-    torch_rotate,
+    torch_rotate_store,
 )
 from core.protocol import GenerationRequest, Sampling
 from tests.test_engine import PROMPTS, engine, run, tiny_llama
@@ -38,15 +38,30 @@ def test_rms_norm_is_the_torch_norm(width: int) -> None:
     torch.testing.assert_close(halved.float(), want, rtol=1e-2, atol=1e-2)
 
 
-def test_rotate_is_the_torch_rotary_on_a_strided_view() -> None:
-    rows, heads, dim = 4, 6, 32
-    fused_rows = _randn(rows, (heads + 2) * dim)  # qk and v side by side, as after qkv
-    x = fused_rows[:, : heads * dim].view(rows, heads, dim)
-    angles = _randn(rows, dim // 2, seed=2)
-    angles = torch.cat([angles, angles], dim=-1)
-    cos, sin = angles.cos(), angles.sin()
-    want = torch_rotate(x, cos[:, None, :], sin[:, None, :])
-    torch.testing.assert_close(rotate(x, cos, sin), want)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotate_store_rotates_q_and_k_and_writes_k_and_v_to_their_slots(
+    dtype: torch.dtype,
+) -> None:
+    rows, heads, kv_heads, dim = 4, 6, 2, 32
+    qkv = _randn(rows, (heads + 2 * kv_heads + 1) * dim)[:, : (heads + 2 * kv_heads) * dim]
+    qkv = qkv.to(dtype)  # strided rows, as a slice of a wider product would be
+    angles = _randn(rows, dim // 2, seed=2).repeat(1, 2)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slots = torch.tensor([7, 0, 12, 3])
+    caches = [(_randn(kv_heads, 16, dim, seed=s).to(dtype)) for s in (3, 4)]
+    wanted = [cache.clone() for cache in caches]
+    q = rotate_store(qkv, cos, sin, heads, caches[0], caches[1], slots)
+    want = torch_rotate_store(qkv, cos, sin, heads, wanted[0], wanted[1], slots)
+    assert q.shape == (rows, heads, dim) and q.is_contiguous()
+    # The same arithmetic in fp32, one rounding: equal to torch's up to its roundings.
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(q.float(), want.float(), rtol=tolerance, atol=tolerance)
+    for got, expected in zip(caches, wanted, strict=True):
+        torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    v = qkv[:, (heads + kv_heads) * dim :].reshape(rows, kv_heads, dim)
+    assert torch.equal(caches[1][:, slots], v.transpose(0, 1))  # v copied as it is
+    untouched = [s for s in range(16) if s not in slots.tolist()]
+    assert torch.equal(caches[0][:, untouched], wanted[0][:, untouched])
 
 
 @pytest.mark.parametrize("width", [128, 1536, 2500])
@@ -88,5 +103,5 @@ def test_the_start_check_passes_good_kernels_and_names_a_broken_one(
     assert kernel_problem(cpu, torch.bfloat16, 64, 16) is None
     monkeypatch.setattr(fused, "silu_gate", lambda gate_up: gate_up[:, : gate_up.shape[1] // 2])
     assert "disagrees with torch" in str(kernel_problem(cpu, torch.float32, 64, 16))
-    monkeypatch.setattr(fused, "rotate", lambda *args: 1 / 0)
+    monkeypatch.setattr(fused, "rotate_store", lambda *args: 1 / 0)
     assert "ZeroDivisionError" in str(kernel_problem(cpu, torch.float32, 64, 16))

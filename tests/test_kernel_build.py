@@ -20,7 +20,7 @@ KERNELS = {
     "attention.partial",
     "attention.join",
     "fused.rms_norm",
-    "fused.rotate",
+    "fused.rotate_store",
     "fused.silu_gate",
 }
 

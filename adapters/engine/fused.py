@@ -3,9 +3,12 @@
 On a GPU every torch op is a kernel of its own. RMSNorm written as torch ops
 is six (square, mean, add, rsqrt, two products), rotary embeddings five
 (negate, concatenate, two products, add) and the SiLU gate two, so of about
-32 kernels a layer runs per decode step, 19 are these; inside a CUDA graph
-each still costs its launch and a pass over memory. Here each of the three
-is one kernel that reads its inputs once, computes in fp32 and rounds once.
+32 kernels a layer runs per decode step, 19 are these, and writing k and v
+to the cache two more; inside a CUDA graph each still costs its launch and a
+pass over memory. Here RMSNorm and the SiLU gate are one kernel each, and
+rotary one kernel that also writes k and v to their cache slots
+(`rotate_store`); each reads its inputs once, computes in fp32 and rounds
+once.
 
 Used on CUDA whenever triton is there and the shape fits (`fused_problem`),
 by prefill and decode alike, so that a position prefilled and one decoded go
@@ -43,20 +46,28 @@ def kernel_problem(
     """Run each kernel once at this model's widths against the torch ops it replaces:
     the reason it cannot be used (it failed to build or run, or disagrees), or None."""
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(3, hidden, generator=generator).to(device=device, dtype=dtype)
-    weight = torch.randn(hidden, generator=generator).to(device=device, dtype=dtype)
-    qk = torch.randn(3, 4, head_dim, generator=generator).to(device=device, dtype=dtype)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    x, weight = draw(3, hidden), draw(hidden)
+    heads, kv_heads = 4, 2  # 3 rows of q, k and v heads, into caches of 8 slots
+    qkv = draw(3, (heads + 2 * kv_heads) * head_dim)
     angles = torch.randn(3, head_dim // 2, generator=generator).repeat(1, 2).to(device)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slots = torch.tensor([5, 0, 2], device=device)
+    caches = draw(kv_heads, 8, head_dim), draw(kv_heads, 8, head_dim)
+    wanted = caches[0].float(), caches[1].float()
     gate_up = x[:, : hidden // 2 * 2].contiguous()
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     try:
         pairs = [  # each kernel, and the torch ops it replaces in fp32
             (rms_norm(x, weight, 1e-5, dtype), torch_rms_norm(x.float(), weight.float(), 1e-5)),
             (
-                rotate(qk, cos, sin),
-                torch_rotate(qk.float(), cos.float()[:, None], sin.float()[:, None]),
+                rotate_store(qkv, cos, sin, heads, *caches, slots),
+                torch_rotate_store(qkv.float(), cos.float(), sin.float(), heads, *wanted, slots),
             ),
+            *zip(caches, wanted, strict=True),
             (silu_gate(gate_up), torch_silu_gate(gate_up.float())),
         ]
         for got, want in pairs:
@@ -97,17 +108,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.dtype
     return result
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x [rows, heads, dim] (rows may be strided; heads and dim
-    contiguous) by each row's cos and sin [rows, dim] (both halves equal, as the
-    runner builds them) -> a new contiguous [rows, heads, dim]."""
+def rotate_store(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """One layer's attention inputs from qkv [rows, (heads + 2 kv_heads) * dim] (q's,
+    k's and v's heads side by side; rows may be strided): q and k rotated by each
+    row's cos and sin [rows, dim] (both halves equal, as the runner builds them), k
+    and v written to the caches [kv_heads, cache slots, dim] at each row's slot
+    (`slots` [rows]) -> q, a new contiguous [rows, heads, dim]. One kernel for what
+    torch does as rotary's five ops and the two cache writes (`torch_rotate_store`)."""
     kernels = _kernels()
-    rows, heads, dim = x.shape
-    assert x.stride(2) == 1 and x.stride(1) == dim, "heads and dims must be contiguous"
-    out = torch.empty((rows, heads, dim), dtype=x.dtype, device=x.device)
-    cos, sin = cos.contiguous(), sin.contiguous()
-    kernels.rotate[(rows, heads)](x, cos, sin, out, x.stride(0), HALF=dim // 2)
-    return out
+    kv_heads, cache_slots, dim = k_cache.shape
+    rows = qkv.shape[0]
+    assert qkv.stride(1) == 1 and qkv.shape[1] == (heads + 2 * kv_heads) * dim
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    q = torch.empty((rows, heads, dim), dtype=qkv.dtype, device=qkv.device)
+    kernels.rotate_store[(rows, heads + kv_heads)](
+        qkv, cos.contiguous(), sin.contiguous(), q, k_cache, v_cache, slots.contiguous(),
+        qkv.stride(0), cache_slots,
+        HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2,
+    )  # fmt: skip
+    return q
 
 
 def silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
@@ -138,6 +165,26 @@ def torch_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def torch_rotate_store(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """rotate_store as torch ops (the CPU path, and the kernel's reference): q and k
+    rotated in one pass, k and v written to the caches, q handed back (a view)."""
+    kv_heads, _, dim = k_cache.shape
+    rows = qkv.shape[0]
+    qk = qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim)
+    qk = torch_rotate(qk, cos[:, None, :], sin[:, None, :])
+    k_cache[:, slots] = qk[:, heads:].transpose(0, 1)
+    v_cache[:, slots] = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim).transpose(0, 1)
+    return qk[:, :heads]
+
+
 def torch_silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up as torch ops, gate_up = [gate | up]."""
     gate, up = gate_up.chunk(2, dim=-1)
@@ -155,11 +202,11 @@ def _warps(block: int) -> int:
 
 class _Kernels:
     def __init__(self, rms: Any, rot: Any, silu: Any) -> None:
-        self.rms_norm, self.rotate, self.silu_gate = rms, rot, silu
+        self.rms_norm, self.rotate_store, self.silu_gate = rms, rot, silu
 
 
 @functools.cache
 def _kernels() -> _Kernels:
     from adapters.engine import triton_kernels as kernels
 
-    return _Kernels(kernels.rms_norm, kernels.rotate, kernels.silu_gate)
+    return _Kernels(kernels.rms_norm, kernels.rotate_store, kernels.silu_gate)

@@ -31,10 +31,10 @@ from adapters.engine.fused import (
     fused_problem,
     kernel_problem,
     rms_norm,
-    rotate,
+    rotate_store,
     silu_gate,
     torch_rms_norm,
-    torch_rotate,
+    torch_rotate_store,
     torch_silu_gate,
 )
 from adapters.engine.weights import (
@@ -200,7 +200,6 @@ class LlamaRunner:
         self._gathered = [torch.empty(0, device=self.device) for _ in range(2)]  # k, v
         self._gather_bytes = CPU_GATHER_BYTES if self.device.type == "cpu" else None
         self._q_size = self.heads * self.head_dim
-        self._kv_size = self.kv_heads * self.head_dim
         self._native = None
         if weights == "w4a16":  # a whole decode step in one call (adapters/engine/native.py)
             from adapters.engine.native import NativeModel
@@ -277,13 +276,11 @@ class LlamaRunner:
         """The layers over rows x (embedded tokens), each at its position through its table:
         every row's key and value written, then attention by `attend` -> logits of `rows`
         (None: all)."""
-        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        cos, sin = self.cos[positions], self.sin[positions]
         writes = self._slots(tables, positions[:, None])[:, 0]
         for index, layer in enumerate(self.layers):
-            q, k, v = self._qkv(x, layer, cos, sin)
+            q = self._attention_inputs(x, layer, cos, sin, index, writes)
             k_cache, v_cache = self.k_cache[index], self.v_cache[index]
-            k_cache[:, writes] = k.transpose(0, 1)
-            v_cache[:, writes] = v.transpose(0, 1)
             x = x + layer.o(attend(q, k_cache, v_cache).to(self.dtype))
             x = x + self._mlp(x, layer)
         if rows is None:
@@ -337,13 +334,11 @@ class LlamaRunner:
         positions = torch.cat(
             [torch.arange(c.start, c.start + c.tokens.shape[0]) for c in chunks]
         ).to(self.device)
-        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        cos, sin = self.cos[positions], self.sin[positions]
         writes = torch.cat([span[2] for span in spans])
         for index, layer in enumerate(self.layers):
-            q, k, v = self._qkv(x, layer, cos, sin)
+            q = self._attention_inputs(x, layer, cos, sin, index, writes)
             k_cache, v_cache = self.k_cache[index], self.v_cache[index]
-            k_cache[:, writes] = k.transpose(0, 1)
-            v_cache[:, writes] = v.transpose(0, 1)
             parts, first = [], 0
             for count, pages, _, mask in spans:
                 queries = q[first : first + count]
@@ -455,17 +450,21 @@ class LlamaRunner:
         blocks = tables.gather(1, positions // self.block_size)
         return blocks * self.block_size + positions % self.block_size
 
-    def _qkv(
-        self, x: torch.Tensor, layer: LayerWeights, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k (rotated together, one pass) and v, [rows, heads or kv_heads, dim]."""
-        rows = x.shape[0]
-        fused = layer.qkv(self._norm(x, layer.input_norm))
-        fused = fused.to(self.state_dtype)
-        qk = fused[:, : self._q_size + self._kv_size].view(rows, -1, self.head_dim)
-        qk = rotate(qk, cos[:, 0], sin[:, 0]) if self.fused else torch_rotate(qk, cos, sin)
-        v = fused[:, self._q_size + self._kv_size :].view(rows, self.kv_heads, self.head_dim)
-        return qk[:, : self.heads], qk[:, self.heads :], v
+    def _attention_inputs(
+        self,
+        x: torch.Tensor,
+        layer: LayerWeights,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        index: int,
+        writes: torch.Tensor,
+    ) -> torch.Tensor:
+        """Layer `index`'s q [rows, heads, dim], rotated; k (rotated) and v written to
+        its cache at the rows' slots `writes`. cos and sin: [rows, dim]."""
+        qkv = layer.qkv(self._norm(x, layer.input_norm)).to(self.state_dtype)
+        caches = self.k_cache[index], self.v_cache[index]
+        store = rotate_store if self.fused else torch_rotate_store
+        return store(qkv, cos, sin, self.heads, *caches, writes)
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         gate_up = layer.gate_up(self._norm(x, layer.post_norm))

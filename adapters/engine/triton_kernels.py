@@ -119,20 +119,39 @@ def rms_norm(x_ptr, w_ptr, out_ptr, width, eps, BLOCK: tl.constexpr):  # type: i
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def rotate(x_ptr, cos_ptr, sin_ptr, out_ptr, row_stride, HALF: tl.constexpr):  # type: ignore[no-untyped-def]
+def rotate_store(  # type: ignore[no-untyped-def]
+    x_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+    row_stride, cache_slots,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    # One program per (row, head) of q and k in a row of x = [q | k | v] heads: q's
+    # heads rotated into q_ptr; k's rotated, and v's copied, to the row's cache slot.
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    heads = tl.num_programs(1)
     i = tl.arange(0, HALF)
     at = x_ptr + row * row_stride + head * (2 * HALF)
     x1 = tl.load(at + i).to(tl.float32)
     x2 = tl.load(at + HALF + i).to(tl.float32)
     c = tl.load(cos_ptr + row * (2 * HALF) + i).to(tl.float32)
     s = tl.load(sin_ptr + row * (2 * HALF) + i).to(tl.float32)
-    to = out_ptr + (row * heads + head) * (2 * HALF)
-    kind = out_ptr.dtype.element_ty
-    tl.store(to + i, (x1 * c - x2 * s).to(kind))
-    tl.store(to + HALF + i, (x2 * c + x1 * s).to(kind))
+    first = x1 * c - x2 * s
+    second = x2 * c + x1 * s
+    # (No name is bound in both branches: triton would have to join them, and cannot
+    # join the branches' different element types.)
+    if head < HEADS:
+        q_at = q_ptr + (row * HEADS + head) * (2 * HALF)
+        tl.store(q_at + i, first.to(q_ptr.dtype.element_ty))
+        tl.store(q_at + HALF + i, second.to(q_ptr.dtype.element_ty))
+    else:
+        kv = head - HEADS
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+        k_at = k_cache_ptr + (kv * cache_slots + slot) * (2 * HALF)
+        tl.store(k_at + i, first.to(k_cache_ptr.dtype.element_ty))
+        tl.store(k_at + HALF + i, second.to(k_cache_ptr.dtype.element_ty))
+        value = x_ptr + row * row_stride + (KV_HEADS + head) * (2 * HALF)  # v's head kv
+        v_at = v_cache_ptr + (kv * cache_slots + slot) * (2 * HALF)
+        tl.store(v_at + i, tl.load(value + i).to(v_cache_ptr.dtype.element_ty))
+        tl.store(v_at + HALF + i, tl.load(value + HALF + i).to(v_cache_ptr.dtype.element_ty))
 
 
 @triton.jit  # type: ignore[untyped-decorator]
