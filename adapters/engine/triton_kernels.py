@@ -21,6 +21,14 @@ import triton.language as tl
 
 
 @triton.jit  # type: ignore[untyped-decorator]
+def row_span(length, SPAN: tl.constexpr, PARTS: tl.constexpr):  # type: ignore[no-untyped-def]
+    # A row's span: SPAN positions, or the multiple of SPAN that cuts the row into at
+    # most PARTS spans, so that a long row's work is shared by PARTS programs a key head.
+    # (partial cuts the row and join counts its spans: both call this.)
+    return SPAN * tl.cdiv(tl.cdiv(length, SPAN), PARTS)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
 def partial(  # type: ignore[no-untyped-def]
     q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, top_ptr, total_ptr, acc_ptr,
     q_stride, slots, width, spans,
@@ -38,9 +46,7 @@ def partial(  # type: ignore[no-untyped-def]
     q_at = row * q_stride + head[:, None] * HEAD_DIM + d[None, :]
     q = tl.load(q_ptr + q_at, mask=live[:, None], other=0.0).to(tl.float32)
     length = tl.load(lengths_ptr + row)
-    # The row's span: SPAN positions, or the multiple of SPAN that cuts the row into at
-    # most PARTS spans, so that a long row's work is shared by PARTS programs a key head.
-    span = SPAN * tl.cdiv(tl.cdiv(length, SPAN), PARTS)
+    span = row_span(length, SPAN, PARTS)
     start = part * span
     end = tl.minimum(length, start + span)
     top = tl.full([GROUP_P2], float("-inf"), tl.float32)
@@ -84,7 +90,7 @@ def join(  # type: ignore[no-untyped-def]
     d = tl.arange(0, HEAD_DIM)
     first = (row * kv_heads + kv) * spans
     length = tl.load(lengths_ptr + row)
-    used = tl.cdiv(length, SPAN * tl.cdiv(tl.cdiv(length, SPAN), PARTS))  # spans filled
+    used = tl.cdiv(length, row_span(length, SPAN, PARTS))  # the spans partial filled
     best = tl.full([GROUP_P2], float("-inf"), tl.float32)
     for s in range(0, used):
         best = tl.maximum(best, tl.load(top_ptr + (first + s) * GROUP_P2 + g))
