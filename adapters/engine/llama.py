@@ -279,8 +279,8 @@ class LlamaRunner:
         cos, sin = self.cos[positions], self.sin[positions]
         writes = self._slots(tables, positions[:, None])[:, 0]
         for index, layer in enumerate(self.layers):
-            q = self._attention_inputs(x, layer, cos, sin, index, writes)
             k_cache, v_cache = self.k_cache[index], self.v_cache[index]
+            q = self._attention_inputs(x, layer, cos, sin, k_cache, v_cache, writes)
             x = x + layer.o(attend(q, k_cache, v_cache).to(self.dtype))
             x = x + self._mlp(x, layer)
         if rows is None:
@@ -337,8 +337,8 @@ class LlamaRunner:
         cos, sin = self.cos[positions], self.sin[positions]
         writes = torch.cat([span[2] for span in spans])
         for index, layer in enumerate(self.layers):
-            q = self._attention_inputs(x, layer, cos, sin, index, writes)
             k_cache, v_cache = self.k_cache[index], self.v_cache[index]
+            q = self._attention_inputs(x, layer, cos, sin, k_cache, v_cache, writes)
             parts, first = [], 0
             for count, pages, _, mask in spans:
                 queries = q[first : first + count]
@@ -456,15 +456,15 @@ class LlamaRunner:
         layer: LayerWeights,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        index: int,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
         writes: torch.Tensor,
     ) -> torch.Tensor:
-        """Layer `index`'s q [rows, heads, dim], rotated; k (rotated) and v written to
-        its cache at the rows' slots `writes`. cos and sin: [rows, dim]."""
+        """The layer's q [rows, heads, dim], rotated; k (rotated) and v written to its
+        caches at the rows' slots `writes`. cos and sin: [rows, dim]."""
         qkv = layer.qkv(self._norm(x, layer.input_norm)).to(self.state_dtype)
-        caches = self.k_cache[index], self.v_cache[index]
         store = rotate_store if self.fused else torch_rotate_store
-        return store(qkv, cos, sin, self.heads, *caches, writes)
+        return store(qkv, cos, sin, self.heads, k_cache, v_cache, writes)
 
     def _mlp(self, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         gate_up = layer.gate_up(self._norm(x, layer.post_norm))
