@@ -22,7 +22,8 @@ Four machines:
   its assignments stopped making progress), silent (its heartbeats stopped),
   gone (the transport lost its connection).
 - assignment (worker, one per assignment it has seen): unseen -> active ->
-  ended, or unseen -> declined.
+  ended, or unseen -> declined, or unseen -> forestalled (its cancel overtook
+  it) -> declined when the offer lands.
 
 States and events are StrEnums: their values read well in statistics and
 traces, and they hash as fast as strings on the router's hot path.
@@ -240,7 +241,8 @@ HEALTH = Table[Health, HealthEvent](
 
 class AssignmentState(enum.StrEnum):
     UNSEEN = "unseen"  # no offer or cancel seen (or forgotten: the answer table is bounded)
-    DECLINED = "declined"  # answered no; a cancel that overtook its offer counts as one
+    FORESTALLED = "forestalled"  # its cancel came first: the offer, when it lands, is declined
+    DECLINED = "declined"  # answered no
     ACTIVE = "active"  # accepted: holds a slot, decoding
     ENDED = "ended"  # was active; finished, cancelled or failed, slot freed
 
@@ -263,7 +265,8 @@ ASSIGNMENT = Table[AssignmentState, AssignmentEvent](
     {
         (A.UNSEEN, AE.OFFER_ADMITTED): A.ACTIVE,
         (A.UNSEEN, AE.OFFER_REFUSED): A.DECLINED,
-        (A.UNSEEN, AE.CANCEL): A.DECLINED,  # so the late offer is declined
+        (A.UNSEEN, AE.CANCEL): A.FORESTALLED,  # the cancel overtook its offer
+        (A.FORESTALLED, AE.OFFER_REFUSED): A.DECLINED,  # ... which lands and is declined
         (A.ACTIVE, AE.DECODED): A.ACTIVE,
         (A.ACTIVE, AE.DECODE_DONE): A.ENDED,
         (A.ACTIVE, AE.CANCEL): A.ENDED,

@@ -7,7 +7,7 @@ decoder's output, and heartbeats its epoch, capacity and held assignments.
 Theory of operation
 -------------------
 Each assignment the worker hears of is in one state of `states.ASSIGNMENT`
-(unseen, declined, active, ended), derived from what the worker keeps (its
+(unseen, forestalled, declined, active, ended), derived from what the worker keeps (its
 active table and its bounded table of answers) and changed only through
 `_move`, which checks the table. An active assignment ends exactly once: the
 decoder finishes it, the router cancels it or supersedes it with a newer
@@ -19,7 +19,11 @@ Offers are answered idempotently: the answer to each assignment is remembered
 (in a bounded table), and a duplicate offer gets the same answer again rather
 than a second slot. An offer for another worker id or another epoch (it was
 meant for this worker before a restart) is declined. A Cancel that overtakes
-its Offer is remembered as the answer, so the late Offer is declined.
+its Offer leaves the assignment forestalled, so the Offer, when it lands, is
+declined; that landing is the offer's first, counted apart from a true
+duplicate (`offer_after_cancel`): a link that reorders its own messages, or a
+client that cancels while the offer is on its way, is enough to cause it,
+whereas a second copy of one offer needs the network to deliver it twice.
 
 Decoder output passes the same fence as at the router: a token goes out only
 if it names an active assignment and carries the next index; anything else
@@ -146,7 +150,8 @@ class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self._active: dict[Assignment, _Active] = {}
-        self._answers: OrderedDict[Assignment, OfferResult] = OrderedDict()
+        # The answer to every assignment seen, bounded; None: forestalled, no offer yet.
+        self._answers: OrderedDict[Assignment, OfferResult | None] = OrderedDict()
         self._retained: OrderedDict[Assignment, tuple[_Active, Finished]] = OrderedDict()
         self._links: dict[str, _Link] = {}
         if config.router is not None:
@@ -201,9 +206,11 @@ class Worker:
         """Where the assignment stands, from what the worker keeps about it."""
         if assignment in self._active:
             return S.ACTIVE
-        answer = self._answers.get(assignment)
-        if answer is None:
+        if assignment not in self._answers:
             return S.UNSEEN  # never seen, or its answer has left the bounded table
+        answer = self._answers[assignment]
+        if answer is None:
+            return S.FORESTALLED
         return S.ENDED if answer.accepted else S.DECLINED
 
     def links(self) -> dict[str, int]:
@@ -310,13 +317,20 @@ class Worker:
 
     def _on_offer(self, offer: Offer, link: _Link, out: list[WorkerEffect]) -> None:
         assignment = offer.assignment
+        state = self.state_of(assignment)
         answer = self._answers.get(assignment)
-        if answer is None and assignment in self._active:
+        if state is S.FORESTALLED:
+            # The offer's first landing, after its cancel: declined, not a duplicate.
+            self._fenced["offer_after_cancel"] += 1
+            answer = self._decline(assignment, "cancelled", link)
+            self._remember(assignment, answer)
+        elif answer is None and state is S.ACTIVE:
             # Still running, its answer long out of the bounded table: the same answer.
+            self._fenced["duplicate_offer"] += 1
             answer = OfferResult(self.config.worker_id, link.epoch, assignment, True, seq=link.seq)
-        if answer is None:
+        elif answer is None:
             answer = self._decide(offer, link, out)
-            self._remember(answer)
+            self._remember(assignment, answer)
         else:
             self._fenced["duplicate_offer"] += 1
         out.append(SendToRouter(answer, assignment.router))
@@ -354,8 +368,9 @@ class Worker:
         if state is S.ACTIVE:
             self._end(assignment, "cancelled", E.CANCEL, out)
         elif state is S.UNSEEN:
-            # The cancel overtook its offer: make sure the offer is declined.
-            self._remember(self._decline(assignment, "cancelled", link, E.CANCEL))
+            # The cancel overtook its offer: make sure the offer is declined when it lands.
+            self._move(assignment, E.CANCEL)
+            self._remember(assignment, None)
         else:
             self._fenced["late_cancel"] += 1
 
@@ -383,14 +398,8 @@ class Worker:
             while len(self._retained) > self.config.retained_outputs:
                 self._retained.popitem(last=False)
 
-    def _decline(
-        self,
-        assignment: Assignment,
-        reason: DeclineReason,
-        link: _Link,
-        event: AssignmentEvent = E.OFFER_REFUSED,
-    ) -> OfferResult:
-        self._move(assignment, event)
+    def _decline(self, assignment: Assignment, reason: DeclineReason, link: _Link) -> OfferResult:
+        self._move(assignment, E.OFFER_REFUSED)
         self._declined[reason] += 1
         return OfferResult(self.config.worker_id, link.epoch, assignment, False, reason)
 
@@ -398,8 +407,8 @@ class Worker:
         """Check a change against the table before the caller makes it (raises if illegal)."""
         return ASSIGNMENT.next(self.state_of(assignment), event)
 
-    def _remember(self, answer: OfferResult) -> None:
-        self._answers[answer.assignment] = answer
+    def _remember(self, assignment: Assignment, answer: OfferResult | None) -> None:
+        self._answers[assignment] = answer
         while len(self._answers) > self.config.remembered_answers:
             self._answers.popitem(last=False)
 

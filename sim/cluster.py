@@ -778,12 +778,16 @@ class Cluster:
                     # Resumed on a newer attempt, which draws its own tokens from here (or,
                     # with shared workers, a first token from an attempt past max_salt:
                     # attempts declined for want of a slot add attempts without limit).
+                    # Newer than the oldest attempt the stream may have come from so far:
+                    # two salts can give one token (the vocabulary is finite), and only
+                    # the oldest bounds the attempts that may follow it.
+                    oldest = min(stream.references, default=0)
                     newest = max(stream.references, default=0)
                     prefix = tuple(stream.tokens)
                     last = max(self.max_salt, newest + SALT_SEARCH if self.shared else 0)
                     matching = {
                         salt: cont
-                        for salt in range(newest + 1, last + 1)
+                        for salt in range(oldest + 1, last + 1)
                         if (cont := reference_output(stream.request, salt, prefix))[0][index]
                         == token_id
                     }

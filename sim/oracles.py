@@ -90,8 +90,11 @@ DECODER_FAULTS = frozenset({"decoder_failure", "decoder_misbehaves"})
 # set means only a bug can move it. Counters not listed (router.late,
 # router.duplicate_result) also move in a run without faults. REORDERING: the faults
 # that deliver a message after later ones, or twice (a stalled worker's inbox is
-# delivered when it resumes, and a heal that ends the stall early can reorder it).
-REORDERING = frozenset({"late", "delay_spread", "duplicate", "replay", "stall"})
+# delivered when it resumes, and a heal that ends the stall early can reorder it), and
+# the run event "overtake": a control message that landed after one sent later on its
+# link, which the small per-message delays of a quiet network also cause now and then
+# (sim/simulator.py _note_overtake).
+REORDERING = frozenset({"late", "delay_spread", "duplicate", "replay", "stall", "overtake"})
 FENCE_CAUSES: dict[str, frozenset[str]] = {
     "router.wrong_worker": frozenset(),
     "router.over_budget": frozenset(),
@@ -110,7 +113,10 @@ FENCE_CAUSES: dict[str, frozenset[str]] = {
     # A Resend crossing the end of an output it cannot keep (cancelled, failed, a lost
     # process); one for a completed output is judged exactly, by _check_resend.
     "worker.resend_unknown": DECODER_FAULTS | {"crash", "drain", "client_cancel", "attempt_lost"},
-    "worker.duplicate_offer": REORDERING,
+    # The router sends each assignment's offer once: a second copy needs the network.
+    "worker.duplicate_offer": frozenset({"duplicate", "replay"}),
+    # An offer landing after its own cancel: the Cancel overtook it (or a stall held both).
+    "worker.offer_after_cancel": REORDERING,
     "worker.late_cancel": REORDERING | {"attempt_lost", "client_cancel"},
     # Each router's messages travel on its own link and name its own assignments.
     "worker.foreign_assignment": frozenset(),

@@ -41,7 +41,7 @@ from random import Random
 
 from core.batching import BatchLimits, StepPlan
 from core.fake_model import VOCAB
-from core.protocol import GenerationRequest, Heartbeat, Sampling
+from core.protocol import GenerationRequest, Heartbeat, Sampling, Token
 from core.router import RouterConfig
 from sim.clock import Clock
 from sim.cluster import MISBEHAVIOURS, Cluster, InvariantViolation, Packet
@@ -282,6 +282,9 @@ class Simulation:
         self.healed = False
         self._partitions: list[tuple[str, str, float]] = []  # (worker, direction, until)
         self._history: deque[Packet] = deque(maxlen=256)
+        # Per directed link (worker, router, direction): the latest-sent control message
+        # (anything but a Token) delivered so far, to see one land after a later one.
+        self._control_landed: dict[tuple[str, str, str], deque[tuple[int, object]]] = {}
         self._decode_pending: dict[str, bool] = {}
         self._generation: dict[str, int] = {}
         self._resume_at: dict[str, float] = {}
@@ -648,7 +651,26 @@ class Simulation:
             # A stalled process reads its socket only when it resumes.
             self.clock.schedule(self._resume_at[packet.to], self._deliver, packet)
             return
+        if "overtake" not in self.disturbances.kinds and not isinstance(packet.message, Token):
+            self._note_overtake(packet, (worker_id, packet.router, direction))
         self.cluster.deliver_packet(packet)
+
+    def _note_overtake(self, packet: Packet, link: tuple[str, str, str]) -> None:
+        """Each message draws its own delay, so even a quiet link reorders two messages
+        sent within a delay's spread of each other (TCP would not; the simulator does on
+        purpose). When a control message (anything but a Token) lands after a related
+        one sent later on its link, the run event "overtake" is noted, which explains
+        the fences that need reordering (a heartbeat overtaken by its worker's
+        Finished, an Offer by its own Cancel). Related: about the same assignment, or
+        either one about none (a heartbeat speaks of every assignment). Tokens are
+        left out: the fences of one assignment's tokens have causes of their own."""
+        about = getattr(packet.message, "assignment", None)
+        landed = self._control_landed.setdefault(link, deque(maxlen=64))
+        for ident, other in landed:
+            if ident > packet.ident and (about is None or other is None or other == about):
+                self.disturbances.note("overtake")
+                break
+        landed.append((packet.ident, about))
 
     def _cut(self, worker_id: str, direction: str) -> bool:
         now = self.clock.now

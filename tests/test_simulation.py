@@ -58,6 +58,28 @@ REGRESSION_SEEDS = [
         "a resumed stream queued for a slot when the last fitting worker went away was "
         "given up as no_worker; with tokens out, it is worker_lost",
     ),
+    (
+        2003898,
+        STANDARD,
+        "a client cancelled 0.2 ms after its router offered the request, the Cancel "
+        "overtook the Offer on a quiet link (each message draws its own small delay), "
+        "and the worker counted the offer's first landing as a duplicate offer, a fence "
+        "that needs the network to copy a message; it is offer_after_cancel now",
+    ),
+    (
+        3003948,
+        STANDARD,
+        "a worker's Finished overtook its own heartbeat on a quiet link, which listed the "
+        "finished assignment: fenced as an orphan, a fence the oracle then allowed only "
+        "with a reordering fault; the simulator now notes such overtakes itself",
+    ),
+    (
+        3010730,
+        STANDARD,
+        "an unseeded stream resumed twice on shared workers: its token after the first "
+        "resume matched attempt 2 and, by chance, attempt 156, and the stream oracle then "
+        "looked for the next attempt only past 156, calling attempt 3's token foreign",
+    ),
 ]
 
 
@@ -202,5 +224,5 @@ def test_a_small_scenario_also_settles() -> None:
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name.replace(" ", "-"))
 def test_the_sweep_kills_every_mutant(mutant: Mutant) -> None:
-    result = run_mutant(mutant, seeds=500, start=0, timeout_s=300)
+    result = run_mutant(mutant, seeds=500, start=0, timeout_s=900)
     assert result.killed, f"{mutant.name} survived 500 seeds"

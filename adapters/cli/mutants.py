@@ -315,6 +315,15 @@ MUTANTS = (
         "full=full)\n",
         '        self._attempt_lost(req, "no_worker", f"declined: {result.reason}", out)\n',
     ),
+    # Issue 39: seed 2003898's cause. An offer landing after its own cancel (a quiet
+    # link reorders too) counted as a second copy of one offer, a fence only a
+    # duplicating network can move: the accounting lies about what the network did.
+    Mutant(
+        "worker takes an offer its cancel overtook for a duplicate",
+        "core/worker.py",
+        '            self._fenced["offer_after_cancel"] += 1\n',
+        '            self._fenced["duplicate_offer"] += 1\n',
+    ),
 )
 
 
