@@ -10,6 +10,8 @@ the commands share.
 from __future__ import annotations
 
 import argparse
+import logging
+from collections.abc import Callable, Iterable
 
 # adapters/engine/weights.py FORMATS, plus "auto" (a test keeps the two alike; named here
 # so that building the command line does not import torch).
@@ -84,3 +86,23 @@ def positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not positive")
     return value
+
+
+def warn_unused(
+    args: argparse.Namespace,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    rules: Iterable[tuple[bool, tuple[str, ...], str]],
+    log: logging.Logger,
+) -> list[str]:
+    """One warning line per mode that leaves flags unread: for each (applies, flags,
+    why), the flags given a value other than their default. Returns the lines."""
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    lines = []
+    for applies, flags, why in rules:
+        dests = [(flag, flag.lstrip("-").replace("-", "_")) for flag in flags]
+        given = [f for f, d in dests if applies and getattr(args, d) != defaults.get_default(d)]
+        if given:
+            lines.append(f"ignoring {', '.join(given)}: {why}")
+            log.warning("%s", lines[-1])
+    return lines

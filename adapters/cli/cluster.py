@@ -94,7 +94,7 @@ def plan(args: argparse.Namespace, logs: Path) -> tuple[list[Child], list[Child]
         worker_ports.append(listen)
         command = [*base, "serve", *model, "--port", str(http), "--no-local-worker",
                    "--worker-listen", f"127.0.0.1:{listen}", "--router-id", f"r{i}",
-                   "--slots", str(args.slots), *drain]  # fmt: skip
+                   *drain]  # fmt: skip
         routers.append(Child(f"r{i}", command, logs / f"r{i}.log", http_port=http))
     connect = [flag for port in worker_ports for flag in ("--connect", f"127.0.0.1:{port}")]
     fake = ["--fake-step-ms", str(args.fake_step_ms)] if args.fake else []

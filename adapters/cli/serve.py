@@ -35,6 +35,7 @@ from adapters.cli import (
     add_decode_arguments,
     add_kv_cache_arguments,
     add_weights_argument,
+    warn_unused,
 )
 from adapters.cli.worker import listen_address
 from adapters.openai.models import ChatModel, FakeChatModel, ServedModel
@@ -203,8 +204,28 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
     )
 
 
+_ENGINE_FLAGS = ("--threads", "--weights", "--decode", "--decode-attention")
+_FAKE_FLAGS = ("--fake-step-ms", "--fake-prefill-ms-per-token")
+
+
+def unused_flag_rules(args: argparse.Namespace) -> list[tuple[bool, tuple[str, ...], str]]:
+    """The flags each mode never reads, and why (warn_unused names those given)."""
+    local = args.local_worker
+    return [
+        (args.fake and local, ("--model", *_ENGINE_FLAGS), "--fake loads no model"),
+        (args.fake and not local, ("--model",), "--fake loads no model"),
+        (
+            not local,
+            ("--slots", *_ENGINE_FLAGS, "--kv-cache-tokens", "--no-prefix-cache", *_FAKE_FLAGS),
+            "with --no-local-worker this process decodes nothing (each worker's own flags decide)",
+        ),
+        (not args.fake and local, _FAKE_FLAGS, "they shape the fake decoder (--fake only)"),
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    warn_unused(args, add_arguments, unused_flag_rules(args), log)
     options = options_from(args)
     model, decoder = build_model(options)
     trio.run(serve_until_signalled, options, model, decoder)

@@ -22,7 +22,12 @@ import socket
 
 import trio
 
-from adapters.cli import add_decode_arguments, add_kv_cache_arguments, add_weights_argument
+from adapters.cli import (
+    add_decode_arguments,
+    add_kv_cache_arguments,
+    add_weights_argument,
+    warn_unused,
+)
 from adapters.runtime.health import serve_health
 from adapters.runtime.tcp import RemoteWorker
 from adapters.runtime.worker_host import Decoder, EngineDecoder, FakeDecoder, serving_engine
@@ -92,8 +97,20 @@ def listen_address(text: str) -> tuple[str, int]:
     return address(text, lowest_port=0)
 
 
+def unused_flag_rules(args: argparse.Namespace) -> list[tuple[bool, tuple[str, ...], str]]:
+    """The flags each mode never reads, and why (warn_unused names those given)."""
+    engine = ("--model", "--threads", "--weights", "--decode", "--decode-attention")
+    fake = ("--fake-step-ms", "--fake-prefill-ms", "--fake-prefill-ms-per-token",
+            "--fake-ignore-eos", "--fake-hang-after")  # fmt: skip
+    return [
+        (args.fake, engine, "--fake loads no model"),
+        (not args.fake, fake, "they shape the fake decoder (--fake only)"),
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    warn_unused(args, add_arguments, unused_flag_rules(args), log)
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     decoder: Decoder
     if args.fake:
