@@ -38,7 +38,7 @@ class ServerThread:
 
     def __enter__(self) -> ServerThread:
         self._thread.start()
-        ready = self._ready.get(timeout=30)
+        ready = self._ready.get(timeout=120)  # a busy machine starts slowly
         if isinstance(ready, BaseException):
             raise ready
         self.serving = ready

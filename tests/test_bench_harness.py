@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 
-def fencepost(*args: str, timeout_s: float = 240) -> str:
+def fencepost(*args: str, timeout_s: float = 900) -> str:
     command = [sys.executable, "-m", "adapters.cli", *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     assert done.returncode == 0, done.stdout + done.stderr

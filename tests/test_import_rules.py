@@ -135,7 +135,7 @@ print("\\n".join(sys.modules))
 @functools.cache
 def _loaded_by(*argv: str) -> frozenset[str]:
     command = [sys.executable, "-c", _PARSE_AND_LIST, *argv]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     return frozenset(done.stdout.split())
 

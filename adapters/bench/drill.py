@@ -25,7 +25,6 @@ saw no error at all. The drill exits 1 when they did.
 from __future__ import annotations
 
 import signal
-import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -39,6 +38,7 @@ from adapters.bench.harness import (
     log_folder,
     percentile,
     scrape,
+    settled_scrape,
     wait_for_workers,
 )
 from adapters.bench.loadgen import FAST, StreamResult, stream_chat
@@ -85,10 +85,8 @@ def main(drill: Drill) -> int:
         wait_for_workers(http, 2, timeout_s=600)
         before = trio.run(scrape, http, counters)
         results = trio.run(_load, http, drill, victims[0])
-        time.sleep(3)  # the router settles (heartbeat timeout 2 s)
-        names = (*counters, "fencepost_active_requests", "fencepost_slots_used",
-                 "fencepost_healthy_workers")  # fmt: skip
-        after = trio.run(scrape, http, names)
+        # the router settles: w1's loss seen (heartbeat timeout 2 s), every slot back
+        after = trio.run(settled_scrape, http, counters, 1)
     finally:
         server.stop()
         for victim in victims:
@@ -206,10 +204,8 @@ def main_routers(drill: Drill) -> int:
             wait_for_workers(port, 2, timeout_s=600)
         before = [trio.run(scrape, port, counters) for port in ports]
         sent, at_kill = trio.run(_load_routers, ports, drill, servers[0])
-        time.sleep(3)  # the routers settle (heartbeat timeout 2 s)
-        names = (*counters, "fencepost_active_requests", "fencepost_slots_used",
-                 "fencepost_healthy_workers")  # fmt: skip
-        after = [at_kill] + [trio.run(scrape, port, names) for port in ports[1:]]
+        # the surviving routers settle: every slot back, both workers healthy
+        after = [at_kill] + [trio.run(settled_scrape, port, counters, 2) for port in ports[1:]]
     finally:
         for server in [*servers, *workers]:
             server.stop()

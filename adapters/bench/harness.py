@@ -129,6 +129,26 @@ async def scrape(port: int, names: tuple[str, ...]) -> dict[str, float]:
     return found
 
 
+SETTLING = ("fencepost_active_requests", "fencepost_slots_used", "fencepost_healthy_workers")
+
+
+async def settled_scrape(
+    port: int, names: tuple[str, ...], healthy: int, timeout_s: float = 60
+) -> dict[str, float]:
+    """The named series (SETTLING among them) once the server has settled: no request
+    open, no slot held and `healthy` workers; past timeout_s, as they stand then (the
+    report shows what did not settle)."""
+    wanted = tuple(dict.fromkeys((*names, *SETTLING)))
+    with trio.move_on_after(timeout_s):
+        while True:
+            found = await scrape(port, wanted)
+            busy = found.get("fencepost_active_requests") or found.get("fencepost_slots_used")
+            if found.get("fencepost_healthy_workers") == healthy and not busy:
+                return found
+            await trio.sleep(0.1)
+    return await scrape(port, wanted)
+
+
 def wait_for_workers(port: int, count: int, timeout_s: float) -> None:
     """Until the server at `port` counts `count` healthy workers."""
     deadline = time.monotonic() + timeout_s
