@@ -21,8 +21,11 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Two processes: CI's two cores. `make test PYTEST_WORKERS=0` runs it in one.
+PYTEST_WORKERS ?= 2
+
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
 
 bench: $(STAMP)
 	$(BIN)/fencepost bench router

@@ -85,7 +85,7 @@ if TYPE_CHECKING:
 
 DECODER_FAULTS = frozenset({"decoder_failure", "decoder_misbehaves"})
 
-# Which fault kinds (or run events: "attempt_lost", "resend") can move each fence
+# Which fault kinds (or run events: "attempt_lost", "resend", "overtake") can move each fence
 # counter. A counter above zero in a run that had none of them is a bug; an empty
 # set means only a bug can move it. Counters not listed (router.late,
 # router.duplicate_result) also move in a run without faults. REORDERING: the faults

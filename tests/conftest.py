@@ -7,3 +7,12 @@ import os
 # which importing transformers or torch's compiler can do, so it cannot wait for the
 # module that tests the kernels. TRITON_INTERPRET=0 in the environment overrides it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# In a parallel run (pytest-xdist) each worker gets its share of the cores for torch's
+# own threads, so that two workers on two cores do not each start two threads and
+# take turns. Subprocesses the tests start (servers, workers) are not affected.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+if _WORKERS > 1:
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))

@@ -24,6 +24,9 @@ from adapters.engine.quality import gate_cache, passes, perplexities
 from core.batching import BatchLimits
 from core.protocol import Assignment, Decoded, GenerationRequest, Sampling
 
+# One worker of a parallel run holds this module's loaded model (pytest-xdist).
+pytestmark = pytest.mark.xdist_group("default_model")
+
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:

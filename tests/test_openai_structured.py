@@ -28,6 +28,9 @@ from adapters.openai.normalize import (
 )
 from tests.http_helpers import ServerThread, chat_body, sse_events
 
+# One worker of a parallel run holds this module's loaded model (pytest-xdist).
+pytestmark = pytest.mark.xdist_group("openai_structured")
+
 MODEL = ModelInfo("m", max_context=100, vocab_size=1000)
 SCHEMA = {
     "type": "object",

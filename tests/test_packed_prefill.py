@@ -28,6 +28,9 @@ from core.protocol import (
 from tests.test_engine import tiny_llama
 from tests.test_engine_grammar import EOS, GRAMMAR, byte_level
 
+# One worker of a parallel run holds this module's loaded model (pytest-xdist).
+pytestmark = pytest.mark.xdist_group("packed_prefill")
+
 VOCAB = 97
 SHARED = tuple(range(40, 72))  # two blocks of 16: a prefix-cache hit for whoever follows
 

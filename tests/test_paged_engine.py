@@ -22,6 +22,9 @@ from core.batching import BatchLimits
 from core.protocol import Assignment, Decoded, DecodeDone, GenerationRequest, Sampling
 from tests.test_engine import run
 
+# One worker of a parallel run holds this module's loaded model (pytest-xdist).
+pytestmark = pytest.mark.xdist_group("paged_engine")
+
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:
