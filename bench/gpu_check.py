@@ -1,9 +1,11 @@
 """The device check of issue 13: correctness and speed of the engine on one GPU, in one run.
 
-Builds random-weight Llama models of real shapes on the device (no download):
-SmolLM2-135M, Llama-3.2-1B and Llama-3-8B (SHAPES below; plain rotary
-embeddings, since the engine refuses Llama 3.2's scaled ones, which change
-no cost). On the first shape it checks:
+Builds random-weight models of real shapes on the device (no download):
+SmolLM2-135M, Llama-3.2-1B and Llama-3-8B, and of two other families, Qwen3-8B
+(per-head q/k norms, head size 128) and Gemma-3-4B (1 + w norms before and
+after each sublayer, a tanh-GELU gate, five windowed layers in six with their
+own rotary base, head size 256) (SHAPES below; plain rotary frequencies, which
+change no cost). On the first shape it checks:
 
 - fp32 greedy of our Engine equals HF `generate` over 64 tokens, 4 prompts;
 - decode paths, bf16 greedy, 4 prompts together: the CUDA graphs' replay
@@ -105,14 +107,22 @@ class Shape:
     rope_theta: float
     tie_word_embeddings: bool
     max_position: int = 4096
+    config: str = "LlamaConfig"  # the family's transformers config class
+    extra: tuple[tuple[str, Any], ...] = ()  # its own fields (head_dim, windows, ...)
 
 
 SHAPES = {
     "135m": Shape("SmolLM2-135M", 576, 30, 9, 3, 1536, 49152, 100000.0, True),
     "1b": Shape("Llama-3.2-1B", 2048, 16, 32, 8, 8192, 128256, 500000.0, True),
     "8b": Shape("Llama-3-8B", 4096, 32, 32, 8, 14336, 128256, 500000.0, False),
+    "qwen3-8b": Shape("Qwen3-8B", 4096, 36, 32, 8, 12288, 151936, 1000000.0, False,
+                      config="Qwen3Config", extra=(("head_dim", 128),)),
+    "gemma3-4b": Shape("Gemma-3-4B", 2560, 34, 8, 4, 10240, 262208, 1000000.0, True,
+                       config="Gemma3TextConfig",
+                       extra=(("head_dim", 256), ("query_pre_attn_scalar", 256),
+                              ("sliding_window", 1024), ("rope_local_base_freq", 10000.0))),
     "tiny": Shape("tiny", 64, 2, 4, 2, 128, 49152, 10000.0, True),
-}
+}  # fmt: skip
 SCALES = {"q_proj": 2.0, "k_proj": 2.0, "o_proj": 0.5, "down_proj": 0.5}  # build_model says why
 PROMPT_TOKENS = 40
 CHECK_TOKENS = 64
@@ -174,7 +184,7 @@ def sync(device: torch.device) -> None:
 
 
 def build_model(shape: Shape, device: torch.device, dtype: torch.dtype, seed: int) -> Any:
-    """A LlamaForCausalLM of this shape, built on the device, with seeded weights.
+    """A model of this shape and family, built on the device, with seeded weights.
 
     Scales, N(0, scale / fan_in): q and k 2 (attention scores spread by about
     4, so a head looks at a few positions, not at their mean), o and down 0.5,
@@ -185,9 +195,9 @@ def build_model(shape: Shape, device: torch.device, dtype: torch.dtype, seed: in
     context, the model's state forgot its input, and greedy output repeated
     one token from the first or second on; with these the 135M shape's
     greedy output changes at every token (measured on CPU)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    config = LlamaConfig(
+    config = getattr(transformers, shape.config)(
         vocab_size=shape.vocab,
         hidden_size=shape.hidden,
         intermediate_size=shape.intermediate,
@@ -196,17 +206,18 @@ def build_model(shape: Shape, device: torch.device, dtype: torch.dtype, seed: in
         num_key_value_heads=shape.kv_heads,
         max_position_embeddings=shape.max_position,
         rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
+        rope_theta=shape.rope_theta,
         tie_word_embeddings=shape.tie_word_embeddings,
         bos_token_id=None,
         eos_token_id=None,  # nothing stops early: every run makes all its tokens
         pad_token_id=0,
+        **dict(shape.extra),
     )
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config)
+            model = transformers.AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(before)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -227,7 +238,9 @@ def build_model(shape: Shape, device: torch.device, dtype: torch.dtype, seed: in
 
 def loaded(model: Any, shape: Shape) -> LoadedModel:
     """The engine's view of a random model; no EOS, so no run stops early."""
-    return LoadedModel(model, None, shape.name, frozenset(), shape.max_position, "random")
+    return LoadedModel.from_model(
+        model, None, shape.name, frozenset(), shape.max_position, "random"
+    )
 
 
 def prompts(count: int) -> list[tuple[int, ...]]:
@@ -435,7 +448,7 @@ def check_decode_paths(
     against the same fixed-shape step run without capture (the same kernels on the
     same inputs: must be equal), then against the eager step (other kernels: a rate).
     On CPU, where nothing is captured: the fixed-shape step against the eager one."""
-    cuda = next(model.model.parameters()).device.type == "cuda"
+    cuda = model.device.type == "cuda"
     weights = "bf16" if cuda else "fp32"
     first = make_engine(model, weights, BATCH_OF, tokens, decode="graphs" if cuda else "static")
     assert first.static is not None
@@ -876,7 +889,9 @@ def goals(results: Results, keys: list[str], streams: list[int]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--shapes", default="135m,1b,8b", help=f"of {', '.join(SHAPES)}")
+    parser.add_argument(
+        "--shapes", default="135m,1b,8b,qwen3-8b,gemma3-4b", help=f"of {', '.join(SHAPES)}"
+    )
     parser.add_argument("--streams", default="1,16,64,256")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per request")
     parser.add_argument("--budget-s", type=float, default=270.0)

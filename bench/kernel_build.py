@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a plai
 
 import torch
 
-from adapters.engine import fused, llama, paged_attention
+from adapters.engine import fused, paged_attention, runner
 from adapters.engine.engine import Engine
 from adapters.engine.model import LoadedModel
 from bench.gpu_check import SHAPES, Shape, build_model
@@ -144,8 +144,8 @@ def recording(seen: set[Launch]) -> Iterator[None]:
         for module, name, value in (
             (paged_attention, "_kernels", lambda: attention),
             (fused, "_kernels", lambda: elementwise),
-            (llama, "fused_problem", lambda *args: None),
-            (llama, "state_dtype", lambda device, dtype: dtype),
+            (runner, "fused_problem", lambda *args: None),
+            (runner, "state_dtype", lambda device, dtype: dtype),
         ):
             stack.callback(setattr, module, name, getattr(module, name))
             setattr(module, name, value)
@@ -160,7 +160,9 @@ def record(shape: Shape, dtype: str) -> list[Launch]:
     one_layer = dataclasses.replace(shape, layers=1, vocab=VOCAB)
     torch_dtype, weights = DTYPES[dtype]
     model = build_model(one_layer, torch.device("cpu"), torch_dtype, seed=0)
-    loaded = LoadedModel(model, None, shape.name, frozenset(), 256, "built by kernel_build")
+    loaded = LoadedModel.from_model(
+        model, None, shape.name, frozenset(), 256, "built by kernel_build"
+    )
     limits = BatchLimits(max_seqs=4, max_context=256, max_step_tokens=64)
     with recording(seen):
         engine = Engine(loaded, limits, weights=weights, decode="static", attention="triton")

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from adapters.engine.engine import Engine
-from adapters.engine.llama import Chunk, LlamaRunner
 from adapters.engine.model import LoadedModel, chat_token_ids, load_model
 from adapters.engine.quality import text_tokens
+from adapters.engine.runner import Chunk, Runner
 from core.batching import BatchLimits
 from core.protocol import Assignment, Decoded, DecoderEvent, GenerationRequest
 
@@ -89,7 +89,7 @@ def best_s(run: Any, repeats: int = 5) -> float:
     return min(times)
 
 
-def forward_choices(runner: LlamaRunner, count: int, chunk: int, cached: int) -> str:
+def forward_choices(runner: Runner, count: int, chunk: int, cached: int) -> str:
     """The prefill forward alone for `count` chunks of `chunk` tokens, each after
     `cached` positions of its own: one packed pass against one pass per chunk
     (best of 5, alternating), each chunk's last row through lm_head."""
@@ -112,7 +112,7 @@ def forward_choices(runner: LlamaRunner, count: int, chunk: int, cached: int) ->
 
 
 @torch.inference_mode()
-def attention_choices(runner: LlamaRunner, count: int, chunk: int, cached: int) -> str:
+def attention_choices(runner: Runner, count: int, chunk: int, cached: int) -> str:
     """One layer's prefill attention for `count` chunks of `chunk` tokens, each after
     `cached` positions of its own: a loop of one product per chunk (what prefill_packed
     does) against one product over every chunk's keys with a block-causal mask."""
@@ -156,7 +156,7 @@ def attention_choices(runner: LlamaRunner, count: int, chunk: int, cached: int) 
 
 
 @torch.inference_mode()
-def folding_decodes(runner: LlamaRunner, decodes: int, prefill: int) -> str:
+def folding_decodes(runner: Runner, decodes: int, prefill: int) -> str:
     """Every layer's products (qkv, o, gate_up, down) for `decodes` rows and `prefill`
     tokens as two calls each (decodes and prefill apart) against one over both: the
     most folding decodes into the packed pass could save on the products."""

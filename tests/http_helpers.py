@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import requests
 import trio
 
-from adapters.cli.serve import ServeOptions, Serving, serve
+from adapters.cli.serve import FAKE_CONTEXT, ServeOptions, Serving, serve
 from adapters.openai.models import FakeChatModel, ServedModel
 from adapters.runtime.controller import ControllerStatistics
 from adapters.runtime.worker_host import Decoder, FakeDecoder
@@ -29,7 +29,8 @@ class ServerThread:
         model: ServedModel | None = None,
     ) -> None:
         self.options = options or ServeOptions(port=0, fake=True)
-        self.model: ServedModel = model or FakeChatModel("fake", self.options.max_context)
+        context = self.options.max_context or FAKE_CONTEXT
+        self.model: ServedModel = model or FakeChatModel("fake", context)
         self.decoder = (decoder or FakeDecoder()) if self.options.local_worker else None
         self._ready: queue.Queue[Serving | BaseException] = queue.Queue()
         self._thread = threading.Thread(target=self._run, daemon=True)

@@ -82,3 +82,28 @@ def serving_worker(health: Sequence[str], timeout_s: float = 30) -> int:
 
     wait_for(one_active, timeout_s)
     return found[0]
+
+
+def router_with_workers(
+    processes: list[subprocess.Popen[str]], serve: Sequence[str], worker: Sequence[str]
+) -> tuple[str, list[str]]:
+    """Start `fencepost serve` (no local worker, a worker port; `serve`: its other
+    flags) and two workers w1, w2 connected to it (`worker`: their other flags),
+    each appended to `processes` so the caller's cleanup kills them; return once both
+    are healthy: (the router's base URL, the workers' health URLs, in order)."""
+    processes.append(fencepost(
+        "serve", "--port", "0", "--no-local-worker", "--worker-listen", "127.0.0.1:0", *serve
+    ))  # fmt: skip
+    log = LogWatcher(processes[-1])
+    port = log.find(r"serving \S+ on http://127\.0\.0\.1:(\d+)/v1", 300)[1]
+    base = f"http://127.0.0.1:{port}"
+    worker_port = log.find(r"accepting workers on 127\.0\.0\.1:(\d+)")[1]
+    health = []
+    for worker_id in ("w1", "w2"):
+        processes.append(fencepost(
+            "worker", "--connect", f"127.0.0.1:{worker_port}", "--worker-id", worker_id,
+            "--heartbeat-interval", "0.25", "--health-listen", "127.0.0.1:0", *worker,
+        ))  # fmt: skip
+        health.append(worker_health(LogWatcher(processes[-1])))
+    wait_for(lambda: healthy_workers(base) == 2, timeout_s=300)
+    return base, health

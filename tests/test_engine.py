@@ -11,9 +11,10 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from adapters.engine.choose import working_formats
 from adapters.engine.engine import Engine, EngineThread, logprob_records, sample_rows
+from adapters.engine.families import UnsupportedModel
 from adapters.engine.grammar import forbidden_penalty
-from adapters.engine.llama import LlamaRunner, UnsupportedModel
 from adapters.engine.model import LoadedModel
+from adapters.engine.runner import Runner
 from adapters.engine.sampling import TokenDraw
 from adapters.engine.weights import FORMATS, activation_dtype, projection
 from core.batching import BatchLimits
@@ -34,6 +35,7 @@ from core.protocol import (
     Token,
 )
 from core.worker import Worker, WorkerConfig
+from tests.tiny_models import loaded_of
 
 VOCAB = 97
 PROMPTS = [(1, 2, 3, 4, 5, 6, 7), (9, 8), tuple(range(11, 30))]
@@ -61,7 +63,7 @@ def tiny() -> LlamaForCausalLM:
 
 def engine(model: LlamaForCausalLM, eos: frozenset[int] = frozenset(), **limits: int) -> Engine:
     settings = {"max_seqs": 4, "max_context": 128, "max_step_tokens": 16, "max_prefill_tokens": 5}
-    loaded = LoadedModel(model, None, "tiny", eos, 128, "built in the test")
+    loaded = LoadedModel.from_model(model, None, "tiny", eos, 128, "built in the test")
     return Engine(loaded, BatchLimits(**(settings | limits)))
 
 
@@ -157,7 +159,7 @@ def test_a_request_longer_than_a_slot_fails(tiny: LlamaForCausalLM) -> None:
 def test_a_request_larger_than_the_whole_kv_pool_fails_and_the_next_runs(
     tiny: LlamaForCausalLM,
 ) -> None:
-    loaded = LoadedModel(tiny, None, "tiny", frozenset(), 128, "built in the test")
+    loaded = LoadedModel.from_model(tiny, None, "tiny", frozenset(), 128, "built in the test")
     limits = BatchLimits(max_seqs=4, max_context=128, max_step_tokens=16, max_prefill_tokens=5)
     eng = Engine(loaded, limits, kv_cache_tokens=32)  # two blocks of 16
     big = GenerationRequest("big", PROMPTS[2], 20)  # 19 + 20 positions: three blocks
@@ -177,7 +179,7 @@ def test_preemption_and_prefix_sharing_in_a_tiny_pool_change_no_token(
     prompts = [*PROMPTS, (*shared, 3), (*shared, 4, 5), shared]
     requests = [GenerationRequest(f"q{i}", p, 24) for i, p in enumerate(prompts)]
     roomy = run(engine(tiny), requests)
-    loaded = LoadedModel(tiny, None, "tiny", frozenset(), 128, "built in the test")
+    loaded = LoadedModel.from_model(tiny, None, "tiny", frozenset(), 128, "built in the test")
     limits = BatchLimits(max_seqs=4, max_context=128, max_step_tokens=16, max_prefill_tokens=5)
     tight = Engine(loaded, limits, kv_cache_tokens=5 * 16)
     assert run(tight, requests) == roomy
@@ -191,7 +193,7 @@ def test_preemption_and_prefix_sharing_in_a_tiny_pool_change_no_token(
 def test_decoding_rows_in_groups_gives_the_logits_of_one_gather(tiny: LlamaForCausalLM) -> None:
     """A paged decode of rows whose tables interleave, gathered all at once or in
     groups of rows (the CPU budget), equals each row's prefill of the same tokens."""
-    runner = LlamaRunner(tiny, 12, 4, 64, "fp32")
+    runner = Runner(loaded_of(tiny), 12, 4, 64, "fp32")
     tables = [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]
     contexts = [torch.tensor(p[:13]) for p in (PROMPTS[2], tuple(range(30, 50)), PROMPTS[2][::-1])]
     expected = []
@@ -224,9 +226,8 @@ def test_a_sampled_request_without_a_seed_is_refused(tiny: LlamaForCausalLM) -> 
 
 def test_other_architectures_are_refused_clearly() -> None:
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).eval()
-    loaded = LoadedModel(gpt2, None, "gpt2", frozenset(), 128, "test")
-    with pytest.raises(UnsupportedModel, match="llama"):
-        Engine(loaded, BatchLimits(max_seqs=2, max_context=64, max_step_tokens=8))
+    with pytest.raises(UnsupportedModel, match=r"model_type 'gpt2' is not supported \(supported: "):
+        LoadedModel.from_model(gpt2, None, "gpt2", frozenset(), 128, "test")
 
 
 def test_the_engine_thread_streams_events_and_reports_a_broken_step(
@@ -294,10 +295,10 @@ def test_int4_keeps_weights_already_on_a_q4_1_grid() -> None:
 def test_every_format_runs_the_engine_and_predicts_like_fp32(
     tiny: LlamaForCausalLM, fmt: str
 ) -> None:
-    loaded = LoadedModel(tiny, None, "tiny", frozenset(), 128, "built in the test")
+    loaded = LoadedModel.from_model(tiny, None, "tiny", frozenset(), 128, "built in the test")
     prompt, table = torch.tensor(PROMPTS[2]), [0, 1, 2, 3]
-    reference = LlamaRunner(tiny, 4, 16, 64, "fp32").prefill(table, 0, prompt, True)
-    logits = LlamaRunner(tiny, 4, 16, 64, fmt).prefill(table, 0, prompt, True)
+    reference = Runner(loaded_of(tiny), 4, 16, 64, "fp32").prefill(table, 0, prompt, True)
+    logits = Runner(loaded_of(tiny), 4, 16, 64, fmt).prefill(table, 0, prompt, True)
     assert float((logits - reference).norm() / reference.norm()) < 0.1
     limits = BatchLimits(max_seqs=2, max_context=64, max_step_tokens=8, max_prefill_tokens=4)
     out = run(Engine(loaded, limits, weights=fmt), [GenerationRequest("f", PROMPTS[0], 6)])

@@ -69,7 +69,7 @@ def byte_tokenizer() -> Any:
 
 def engine(model: LlamaForCausalLM, tokenizer: Any, kv_cache_tokens: int = 4096) -> Engine:
     limits = BatchLimits(max_seqs=4, max_context=256, max_step_tokens=16, max_prefill_tokens=5)
-    loaded = LoadedModel(model, None, "tiny", frozenset({EOS}), 256, "built in the test")
+    loaded = LoadedModel.from_model(model, None, "tiny", frozenset({EOS}), 256, "built in the test")
     return Engine(
         loaded, limits, grammar_tokenizer=tokenizer, kv_cache_tokens=kv_cache_tokens, block_size=8
     )

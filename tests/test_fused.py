@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from adapters.engine import fused, llama
+from adapters.engine import fused, runner
 from adapters.engine.fused import (
     fused_problem,
     kernel_problem,
@@ -80,7 +80,7 @@ def test_the_engine_through_the_fused_kernels_gives_the_same_tokens(
         GenerationRequest("s", PROMPTS[0], 12, Sampling(1.0, 0.9, 5)),
     ]
     plain = run(engine(model), requests)
-    monkeypatch.setattr(llama, "fused_problem", lambda *args: None)
+    monkeypatch.setattr(runner, "fused_problem", lambda *args: None)
     through = engine(model)
     assert through.runner.fused
     assert run(through, requests) == plain

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapters.engine.llama import LlamaRunner
+from adapters.engine import native
 from adapters.engine.native import (
     ISAS,
     Library,
@@ -22,7 +22,9 @@ from adapters.engine.native import (
     pick_isa,
     unpack,
 )
+from adapters.engine.runner import Runner
 from tests.test_engine import PROMPTS, tiny_llama
+from tests.tiny_models import loaded_of
 
 
 def _library(isa: str) -> Library:
@@ -59,7 +61,9 @@ def q4_1_weights(out_features: int, in_features: int, seed: int) -> torch.Tensor
     return (q.float() * d.float() + m.float()).reshape(out_features, in_features)
 
 
-def test_packing_keeps_q4_1_and_q8_0_weights_exactly(library: Library) -> None:
+def test_packing_keeps_q4_1_and_q8_0_weights_exactly(
+    library: Library, monkeypatch: pytest.MonkeyPatch
+) -> None:
     weight = q4_1_weights(40, 96, seed=1)  # 40 rows: the last tile is padded
     assert torch.equal(unpack(pack4(weight, library.tile), 4, 40, 96), weight)
     generator = torch.Generator().manual_seed(2)
@@ -68,6 +72,13 @@ def test_packing_keeps_q4_1_and_q8_0_weights_exactly(library: Library) -> None:
     d = (torch.rand(40, 3, 1, generator=generator) * 0.01 + 1e-3).half().float()
     weight8 = (q.float() * d).reshape(40, 96)
     assert torch.equal(unpack(pack8(weight8, library.tile), 8, 40, 96), weight8)
+    # packed a few tiles at a time, the bytes are the whole matrix's
+    tall = torch.randn(5 * library.tile + 3, 96)
+    for bits, pack in ((4, pack4), (8, pack8)):
+        with monkeypatch.context() as patch:
+            patch.setattr(native, "PACK_ROWS", 2 * library.tile)
+            parts = native.pack_in_parts(tall, bits, library.tile)
+            assert torch.equal(parts, pack(tall, library.tile))
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -110,14 +121,14 @@ def test_the_avx512_and_avx2_builds_agree_bit_for_bit(monkeypatch: pytest.Monkey
     logits = []
     for isa in ("avx512", "avx2"):  # the whole fused pass, each build packing its own tiles
         monkeypatch.setenv("FENCEPOST_NATIVE", isa)
-        runner = LlamaRunner(model, 8, 16, 64, "w4a16")
+        runner = Runner(loaded_of(model), 8, 16, 64, "w4a16")
         assert runner.lm_head.library.isa == isa  # type: ignore[attr-defined]
         logits.append(runner.prefill([0, 1], 0, prompt, True))
     assert torch.equal(logits[0], logits[1])
 
 
-def _runner(blocks: int = 16) -> LlamaRunner:
-    return LlamaRunner(tiny_llama(), blocks, 16, 128, "w4a16")
+def _runner(blocks: int = 16) -> Runner:
+    return Runner(loaded_of(tiny_llama()), blocks, 16, 128, "w4a16")
 
 
 def test_the_fused_pass_computes_what_the_torch_forward_does_with_native_products() -> None:
@@ -128,7 +139,7 @@ def test_the_fused_pass_computes_what_the_torch_forward_does_with_native_product
     composed_runner.k_cache = composed_runner.k_cache.float()
     composed_runner.v_cache = composed_runner.v_cache.float()
     composed = composed_runner.prefill([0, 1], 0, prompt, True)
-    fp32 = LlamaRunner(tiny_llama(), 16, 16, 128, "fp32").prefill([0, 1], 0, prompt, True)
+    fp32 = Runner(loaded_of(tiny_llama()), 16, 16, 128, "fp32").prefill([0, 1], 0, prompt, True)
     # the fused pass keeps keys and values in fp16: that rounding, nothing else
     assert float((fused - composed).norm() / composed.norm()) < 2e-3
     assert float((fused - fp32).norm() / fp32.norm()) < 0.12  # random weights at 4 bits
@@ -223,9 +234,10 @@ def test_a_model_whose_shapes_the_fused_pass_cannot_take_is_left_to_torchs_forma
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from adapters.engine.choose import working_formats
-    from adapters.engine.native import shape_problem
+    from adapters.engine.native import model_problem
 
-    assert shape_problem(tiny_llama().config) is None
+    plain = loaded_of(tiny_llama()).spec
+    assert model_problem(plain) is None
     config = LlamaConfig(
         vocab_size=50,
         hidden_size=96,
@@ -234,9 +246,9 @@ def test_a_model_whose_shapes_the_fused_pass_cannot_take_is_left_to_torchs_forma
         num_attention_heads=12,  # head_dim 8
         num_key_value_heads=4,
     )
-    assert "head_dim 8" in (shape_problem(config) or "")
-    assert "block size" in (shape_problem(tiny_llama().config, block_size=24) or "")
     odd = LlamaForCausalLM(config).eval()
-    assert "w4a16" not in working_formats(torch.device("cpu"), odd)
+    assert "head_dim 8" in (model_problem(loaded_of(odd).spec) or "")
+    assert "block size" in (model_problem(plain, block_size=24) or "")
+    assert "w4a16" not in working_formats(torch.device("cpu"), loaded_of(odd).spec)
     with pytest.raises(ValueError, match="head_dim 8"):
-        LlamaRunner(odd, 4, 16, 32, "w4a16")
+        Runner(loaded_of(odd), 4, 16, 32, "w4a16")

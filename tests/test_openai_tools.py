@@ -18,7 +18,7 @@ from adapters.openai.errors import OpenAIError
 from adapters.openai.models import FakeChatModel
 from adapters.openai.normalize import ChatJob, ChatMessage, ModelInfo, normalize_chat_request
 from adapters.openai.tool_prompt import render_with_tools
-from adapters.openai.toolcalls import Call, Content, Piece, ToolCallReader, read_answer
+from adapters.openai.toolcalls import Call, Content, HermesReader, Piece, read_answer
 from adapters.openai.tools import Tool, ToolCall, ToolSetup, call_grammar
 from adapters.runtime.worker_host import FakeDecoder
 from core.fake_model import EOS_TOKEN
@@ -51,7 +51,7 @@ def ids() -> Iterator[str]:
 
 def read_in_pieces(chunks: Sequence[str], parallel: bool = True) -> tuple[str, list[Piece]]:
     counter = ids()
-    reader = ToolCallReader(NAMES, lambda: next(counter), parallel)
+    reader = HermesReader(NAMES, lambda: next(counter), parallel)
     pieces = [p for chunk in chunks for p in reader.feed(chunk)] + reader.finish()
     content = "".join(p.text for p in pieces if isinstance(p, Content))
     return content, [p for p in pieces if isinstance(p, Call)]
@@ -71,7 +71,7 @@ def test_a_call_split_at_every_position_reads_the_same() -> None:
 
 def test_a_partial_marker_is_held_back_then_released_as_text() -> None:
     counter = ids()
-    reader = ToolCallReader(NAMES, lambda: next(counter))
+    reader = HermesReader(NAMES, lambda: next(counter))
     assert reader.feed("a <tool_") == [Content("a ")]  # "<tool_" might start a call
     assert reader.feed("box> b") == [Content("<tool_box> b")]  # it did not
     assert reader.feed("<") == []

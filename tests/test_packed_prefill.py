@@ -1,4 +1,4 @@
-"""Every prefill chunk of a step in one forward pass (Engine._prefill, LlamaRunner.
+"""Every prefill chunk of a step in one forward pass (Engine._prefill, Runner.
 prefill_packed) gives the same events as one forward per chunk, which is how the engine
 prefilled before: tokens, stop reasons and logprob records, on the tiny llama in every
 weight format and on the real default model."""
@@ -13,9 +13,9 @@ import torch
 from transformers import LlamaForCausalLM
 
 from adapters.engine.engine import Engine, logprob_records, sample_rows
-from adapters.engine.llama import Chunk
 from adapters.engine.model import LoadedModel, chat_token_ids, load_model
 from adapters.engine.quality import text_tokens
+from adapters.engine.runner import Chunk
 from adapters.engine.weights import FORMATS
 from core.batching import BatchLimits
 from core.protocol import (
@@ -136,7 +136,7 @@ def test_packed_prefill_gives_the_events_of_one_forward_per_chunk(
     """Eight prompts of 2..53 tokens arriving together, in chunks of 5 packed up to 24
     tokens a step: greedy, seeded, logprobs, prefix hits, a continuation, grammars;
     with a pool of 6 blocks, preemption too."""
-    loaded = LoadedModel(tiny, None, "tiny", frozenset({EOS}), 256, "built in the test")
+    loaded = LoadedModel.from_model(tiny, None, "tiny", frozenset({EOS}), 256, "built in the test")
     limits = BatchLimits(
         max_seqs=8,
         max_context=256,
@@ -162,7 +162,7 @@ def test_every_position_prefill_is_the_one_chunk_case_of_the_packed_pass(
 ) -> None:
     """prefill(every_position=True), what the quality scorer reads, equals the rows of
     a packed pass that holds the same chunk beside another sequence's."""
-    loaded = LoadedModel(tiny, None, "tiny", frozenset(), 256, "built in the test")
+    loaded = LoadedModel.from_model(tiny, None, "tiny", frozenset(), 256, "built in the test")
     eng = Engine(loaded, BatchLimits(max_seqs=4, max_context=256))
     runner = eng.runner
     tokens = torch.tensor(range(3, 30))

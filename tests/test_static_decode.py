@@ -16,7 +16,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaForCausalLM
 
 from adapters.engine.engine import Engine
-from adapters.engine.llama import Chunk, LlamaRunner
 from adapters.engine.model import LoadedModel
 from adapters.engine.paged_attention import (
     Attend,
@@ -26,12 +25,18 @@ from adapters.engine.paged_attention import (
     choose_attention,
     triton_problem,
 )
+from adapters.engine.runner import Chunk, Runner
+from adapters.engine.spec import Attention
 from adapters.engine.static_decode import StaticDecode, buckets
 from core.batching import BatchLimits
 from core.protocol import GenerationRequest, Sampling
 from tests.test_engine import PROMPTS, run, tiny_llama
+from tests.tiny_models import loaded_of
 
 triton = pytest.importorskip("triton", reason="triton (a dev dependency) runs the kernel here")
+
+# A layer with no window and no cap: what every kind attends alike.
+PLAIN = Attention(heads=8, kv_heads=2, head_dim=32, scale=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +46,7 @@ def tiny() -> LlamaForCausalLM:
 
 def engine(model: LlamaForCausalLM, max_seqs: int = 4, **options: str) -> Engine:
     limits = BatchLimits(max_seqs=max_seqs, max_context=128, max_step_tokens=16)
-    loaded = LoadedModel(model, None, "tiny", frozenset(), 128, "built in the test")
+    loaded = LoadedModel.from_model(model, None, "tiny", frozenset(), 128, "built in the test")
     return Engine(loaded, limits, **options)  # type: ignore[arg-type]
 
 
@@ -83,7 +88,7 @@ def test_a_continuation_through_the_padded_step_goes_on_exactly(tiny: LlamaForCa
 
 
 def test_padding_rows_touch_only_the_scratch_block(tiny: LlamaForCausalLM) -> None:
-    runner = LlamaRunner(tiny, num_blocks=12, block_size=16, max_context=128)
+    runner = Runner(loaded_of(tiny), num_blocks=12, block_size=16, max_context=128)
     generator = torch.Generator().manual_seed(3)
     runner.k_cache.copy_(torch.randn(runner.k_cache.shape, generator=generator))
     runner.v_cache.copy_(torch.randn(runner.v_cache.shape, generator=generator))
@@ -181,14 +186,16 @@ def test_the_triton_kernel_and_sdpa_attend_as_the_torch_gather(
     kernel = TritonAttention(heads, kv_heads, dim, 16, max_context=640)
     assert kernel.spans == 3  # spans of 256 positions: the 600-position row uses all three
     gather = GatherAttention(heads, kv_heads, dim, 16)
-    want = gather.bind(tables, lengths_t)(q, k_cache, v_cache)
+    want = gather.bind(tables, lengths_t)(q, k_cache, v_cache, PLAIN)
     for other in (kernel, SdpaAttention(heads, kv_heads, dim, 16)):
-        got = other.bind(tables, lengths_t)(q, k_cache, v_cache)
+        got = other.bind(tables, lengths_t)(q, k_cache, v_cache, PLAIN)
         assert got.shape == want.shape == (len(lengths), heads * dim)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # Told the longest row, the kernel runs only the spans it needs: the same result.
-    fewer = kernel.bind(tables[:4], lengths_t[:4], longest=300)(q[:4], k_cache, v_cache)
-    assert torch.equal(fewer, kernel.bind(tables[:4], lengths_t[:4])(q[:4], k_cache, v_cache))
+    fewer = kernel.bind(tables[:4], lengths_t[:4], longest=300)(q[:4], k_cache, v_cache, PLAIN)
+    assert torch.equal(
+        fewer, kernel.bind(tables[:4], lengths_t[:4])(q[:4], k_cache, v_cache, PLAIN)
+    )
 
 
 def test_long_rows_share_their_work_among_sixteen_spans_and_attend_as_the_gather() -> None:
@@ -199,22 +206,22 @@ def test_long_rows_share_their_work_among_sixteen_spans_and_attend_as_the_gather
     q, k_cache, v_cache, tables, lengths_t = _random_case(1, 2, 16, lengths, 5)
     kernel = TritonAttention(2, 1, 16, 16, max_context=8192)
     assert kernel.spans == 16
-    want = GatherAttention(2, 1, 16, 16).bind(tables, lengths_t)(q, k_cache, v_cache)
-    together = kernel.bind(tables, lengths_t)(q, k_cache, v_cache)
+    want = GatherAttention(2, 1, 16, 16).bind(tables, lengths_t)(q, k_cache, v_cache, PLAIN)
+    together = kernel.bind(tables, lengths_t)(q, k_cache, v_cache, PLAIN)
     torch.testing.assert_close(together, want, rtol=1e-5, atol=1e-5)
     for row in (0, 2):
         alone = kernel.bind(tables[row : row + 1], lengths_t[row : row + 1], longest=lengths[row])
-        assert torch.equal(alone(q[row : row + 1], k_cache, v_cache)[0], together[row])
+        assert torch.equal(alone(q[row : row + 1], k_cache, v_cache, PLAIN)[0], together[row])
 
 
 def test_a_rows_attention_does_not_depend_on_its_batch() -> None:
     lengths = [300, 5, 128, 64]
     q, k_cache, v_cache, tables, lengths_t = _random_case(2, 4, 32, lengths, 11)
     kernel = TritonAttention(8, 2, 32, 16, max_context=512)
-    together = kernel.bind(tables, lengths_t)(q, k_cache, v_cache)
+    together = kernel.bind(tables, lengths_t)(q, k_cache, v_cache, PLAIN)
     for row in range(len(lengths)):
         alone = kernel.bind(tables[row : row + 1], lengths_t[row : row + 1])
-        assert torch.equal(alone(q[row : row + 1], k_cache, v_cache)[0], together[row])
+        assert torch.equal(alone(q[row : row + 1], k_cache, v_cache, PLAIN)[0], together[row])
 
 
 def test_shapes_the_kernel_cannot_take_are_named() -> None:
@@ -226,7 +233,7 @@ def test_shapes_the_kernel_cannot_take_are_named() -> None:
 
 
 def test_choosing_on_cpu_takes_the_gather_and_says_why(tiny: LlamaForCausalLM) -> None:
-    runner = LlamaRunner(tiny, num_blocks=12, block_size=16, max_context=128)
+    runner = Runner(loaded_of(tiny), num_blocks=12, block_size=16, max_context=128)
     said: list[str] = []
     assert choose_attention(runner, 4, said.append).name == "gather"
     assert said == ["decode attention: no triton candidate (the kernel is compiled for CUDA, "
@@ -261,7 +268,7 @@ def test_a_packed_prefill_row_by_row_is_the_per_chunk_prefill(tiny: LlamaForCaus
 
     runners = []
     for rowwise in (False, True):
-        runner = LlamaRunner(tiny, num_blocks=12, block_size=16, max_context=128)
+        runner = Runner(loaded_of(tiny), num_blocks=12, block_size=16, max_context=128)
         if rowwise:
             runner.row_attention = Counted(4, 2, 16, 16, max_context=128)
         runner.prefill([5, 3], 0, torch.arange(20, 36))  # the second chunk's cached prefix
@@ -277,7 +284,7 @@ def test_a_failed_capture_falls_back_to_the_uncaptured_step_unless_insisted_on(
     tiny: LlamaForCausalLM,
 ) -> None:
     """Capturing on a CPU fails (no CUDA): the step says so and runs uncaptured."""
-    runner = LlamaRunner(tiny, num_blocks=12, block_size=16, max_context=128)
+    runner = Runner(loaded_of(tiny), num_blocks=12, block_size=16, max_context=128)
     said: list[str] = []
     step = StaticDecode(runner, 4, GatherAttention(4, 2, 16, 16), graphs=True, say=said.append)
     assert not step.captured
@@ -295,7 +302,7 @@ def test_choosing_leaves_out_a_kind_that_disagrees_or_fails(tiny: LlamaForCausal
         name = "wrong"
 
         def bind(self, tables: torch.Tensor, lengths: torch.Tensor) -> Attend:
-            return lambda q, k, v: torch.zeros(q.shape[0], q.shape[1] * q.shape[2])
+            return lambda q, k, v, layer: torch.zeros(q.shape[0], q.shape[1] * q.shape[2])
 
     class Broken(GatherAttention):
         name = "broken"
@@ -303,7 +310,7 @@ def test_choosing_leaves_out_a_kind_that_disagrees_or_fails(tiny: LlamaForCausal
         def bind(self, tables: torch.Tensor, lengths: torch.Tensor) -> Attend:
             raise RuntimeError("no kernel for this device")
 
-    runner = LlamaRunner(tiny, num_blocks=12, block_size=16, max_context=128)
+    runner = Runner(loaded_of(tiny), num_blocks=12, block_size=16, max_context=128)
     shape = (4, 2, 16, 16)
     kinds = [GatherAttention(*shape), Wrong(*shape), Broken(*shape), TritonAttention(*shape, 128)]
     said: list[str] = []
@@ -322,7 +329,7 @@ def test_the_start_check_of_replays_catches_a_graph_that_computes_otherwise(
 ) -> None:
     """check_replays compares each checked graph's replay with the uncaptured step; here
     a stand-in graph (no CUDA) replays the step itself, then the step plus a little."""
-    runner = LlamaRunner(tiny, num_blocks=12, block_size=16, max_context=128)
+    runner = Runner(loaded_of(tiny), num_blocks=12, block_size=16, max_context=128)
     step = StaticDecode(runner, 24, GatherAttention(4, 2, 16, 16), graphs=False)
     replayed: list[int] = []
 

@@ -4,20 +4,15 @@ the undisturbed run and is valid JSON (real processes, the default model, 127.0.
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
 
 import openai
-import requests
 
 from tests.process_helpers import (
-    LogWatcher,
-    fencepost,
-    healthy_workers,
+    metric,
+    router_with_workers,
     serving_worker,
-    wait_for,
-    worker_health,
 )
 from tests.runtime_helpers import kill_all
 
@@ -39,26 +34,13 @@ SCHEMA = {
 
 
 def test_kill_9_mid_json_schema_stream_resumes_to_the_same_valid_json() -> None:
-    serve = fencepost(
-        "serve", "--port", "0", "--no-local-worker", "--worker-listen", "127.0.0.1:0",
-        "--heartbeat-timeout", "10", "--max-context", "512",
-    )  # fmt: skip
-    processes: list[subprocess.Popen[str]] = [serve]
+    processes: list[subprocess.Popen[str]] = []
     try:
-        log = LogWatcher(serve)
-        base = (
-            "http://127.0.0.1:" + log.find(r"serving \S+ on http://127\.0\.0\.1:(\d+)/v1", 300)[1]
+        base, health = router_with_workers(
+            processes,
+            ["--heartbeat-timeout", "10", "--max-context", "512"],
+            ["--slots", "2", "--max-context", "512"],
         )
-        worker_port = log.find(r"accepting workers on 127\.0\.0\.1:(\d+)")[1]
-        health = []
-        for worker_id in ("w1", "w2"):
-            processes.append(fencepost(
-                "worker", "--connect", f"127.0.0.1:{worker_port}", "--worker-id", worker_id,
-                "--slots", "2", "--max-context", "512", "--heartbeat-interval", "0.25",
-                "--health-listen", "127.0.0.1:0",
-            ))  # fmt: skip
-            health.append(worker_health(LogWatcher(processes[-1])))
-        wait_for(lambda: healthy_workers(base) == 2, timeout_s=300)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
         model = client.models.list().data[0].id
 
@@ -83,9 +65,7 @@ def test_kill_9_mid_json_schema_stream_resumes_to_the_same_valid_json() -> None:
             if chunk.choices:
                 text += chunk.choices[0].delta.content or ""
                 finish = chunk.choices[0].finish_reason or finish
-        metrics = requests.get(f"{base}/metrics", timeout=10).text
-        resumes = re.search(r"^fencepost_stream_resumes(?:_total)? (\S+)", metrics, re.MULTILINE)
-        assert resumes is not None and float(resumes[1]) == 1  # it died mid-answer
+        assert metric(base, "fencepost_stream_resumes") == 1  # it died mid-answer
         assert (text, finish) == (undisturbed, "stop")
         answer = json.loads(text)
         assert len(answer["scores"]) == 12 and isinstance(answer["done"], bool)

@@ -32,14 +32,15 @@ import dataclasses
 import resource
 import statistics
 import time
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
 from adapters.engine.engine import DEFAULT_KV_CACHE_TOKENS, Engine, logprob_records
 from adapters.engine.grammar import json_schema_grammar
-from adapters.engine.llama import DEFAULT_BLOCK_SIZE
 from adapters.engine.model import LoadedModel, chat_token_ids, load_model
+from adapters.engine.runner import DEFAULT_BLOCK_SIZE
 from adapters.engine.sampling import TokenDraw
 from core.batching import BatchLimits
 from core.protocol import Assignment, Constraint, Decoded, DecodeDone, GenerationRequest, Sampling
@@ -72,8 +73,22 @@ def _prompt_ids(loaded: LoadedModel) -> tuple[int, ...]:
     return tuple(chat_token_ids(loaded.tokenizer, [{"role": "user", "content": PROMPT}]))
 
 
+def transformers_model(loaded: LoadedModel) -> Any:
+    """transformers' own model of the same checkpoint, for the baseline rows: built here,
+    by transformers, from the files the engine read (the engine never builds one)."""
+    from transformers import AutoModelForCausalLM
+
+    source = Path(loaded.source)
+    if source.suffix == ".gguf":
+        folder, options = source.parent, {"gguf_file": source.name}
+    else:
+        folder, options = source, {}
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **options)
+    return model.to(loaded.device).eval()
+
+
 def hf_generate_rate(loaded: LoadedModel, prompt: tuple[int, ...], tokens: int) -> float:
-    model = loaded.model
+    model = transformers_model(loaded)
     inputs = torch.tensor([prompt], device=model.device)
     with torch.inference_mode():
         model.generate(inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm up
@@ -330,9 +345,9 @@ def main(
     # Generate every requested token: no early stop on EOS on either side.
     endless = dataclasses.replace(loaded, eos_token_ids=frozenset())
     prompt = _prompt_ids(loaded)
-    device = next(loaded.model.parameters()).device
+    device = loaded.device
     print(
-        f"engine bench: {loaded.name} on {device} ({next(loaded.model.parameters()).dtype}), "
+        f"engine bench: {loaded.name} ({loaded.family}) on {device}, "
         f"{torch.get_num_threads()} torch threads, prompt {len(prompt)} tokens, "
         f"{tokens} new tokens per request, engine weights {weights}, "
         f"prefix cache {'on' if prefix_caching else 'off'}, KV cache {kv_cache_tokens} tokens "

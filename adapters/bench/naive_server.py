@@ -47,7 +47,9 @@ def main(port: int, model_path: str | None, threads: int | None) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
     loaded = load_model(model_path)
-    tokenizer, model = loaded.tokenizer, loaded.model
+    from adapters.bench.engine import transformers_model
+
+    tokenizer, model = loaded.tokenizer, transformers_model(loaded)
     app = QuartTrio("naive")
     app.config["RESPONSE_TIMEOUT"] = None  # queued streams wait for the lock
     lock = trio.Lock()

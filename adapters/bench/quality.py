@@ -16,9 +16,9 @@ import time
 import torch
 
 from adapters.engine.choose import cpu_flags, working_formats
-from adapters.engine.llama import DEFAULT_BLOCK_SIZE, LlamaRunner
 from adapters.engine.model import LoadedModel, load_model
 from adapters.engine.quality import GATE, greedy_agreement, passes, perplexities
+from adapters.engine.runner import DEFAULT_BLOCK_SIZE, Runner
 
 
 def step_and_bytes(
@@ -28,7 +28,7 @@ def step_and_bytes(
     bytes of weights a step reads)."""
     positions = context + steps + 1
     blocks = -(-positions // DEFAULT_BLOCK_SIZE)
-    runner = LlamaRunner(loaded.model, blocks, DEFAULT_BLOCK_SIZE, positions, fmt)
+    runner = Runner(loaded, blocks, DEFAULT_BLOCK_SIZE, positions, fmt)
     table, token = list(range(blocks)), torch.tensor([17])
     runner.prefill(table, 0, torch.randint(0, runner.vocab_size, (context,)))
     times = []
@@ -44,7 +44,7 @@ def main(model_path: str | None, tokens: int, generate: int, threads: int | None
     if threads is not None:
         torch.set_num_threads(threads)
     loaded = load_model(model_path)
-    formats = working_formats(next(loaded.model.parameters()).device, loaded.model)
+    formats = working_formats(loaded.device, loaded.spec)
     print(
         f"weight formats on {loaded.name}: torch kernels "
         f"{torch.backends.cpu.get_cpu_capability()}, CPU flags {' '.join(cpu_flags())}, "

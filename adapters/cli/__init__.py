@@ -63,9 +63,11 @@ def add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-tokens",
         type=positive,
-        default=DEFAULT_KV_CACHE_TOKENS,
+        default=None,
         metavar="N",
-        help="token positions the KV cache holds, all sequences together (default %(default)s)",
+        help="token positions the KV cache holds, all sequences together (default: what "
+        "half the memory free after the weights holds, 85%% on a GPU, at most every slot "
+        f"at the full context; the fake decoder: {DEFAULT_KV_CACHE_TOKENS})",
     )
 
 

@@ -272,6 +272,18 @@ def _quality(args: argparse.Namespace) -> int:
     return quality.main(args.model, args.tokens, args.generate, args.threads)
 
 
+def _memory_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF directory, .gguf or hub id")
+    parser.add_argument("--formats", default="fp32,w4a16", help="comma-separated weight formats")
+    parser.add_argument("--threads", type=positive, default=None)
+
+
+def _memory(args: argparse.Namespace) -> int:
+    from adapters.bench import memory
+
+    return memory.main(args.model, args.formats.split(","), args.threads)
+
+
 BENCHES = (
     Bench("router", "fenced token deliveries/s through Router.handle", _router_flags, _router),
     Bench(
@@ -300,6 +312,12 @@ BENCHES = (
         _naive_server,
     ),
     Bench("engine", "decode engine vs HF generate, tokens/s", _engine_flags, _engine),
+    Bench(
+        "memory",
+        "resident memory a model costs as serving loads it, per weight format",
+        _memory_flags,
+        _memory,
+    ),
     Bench(
         "quality",
         "every weight format against fp32: perplexity, greedy agreement, step time",

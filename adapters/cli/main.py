@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 from typing import Protocol
 
 from adapters.cli import bench, cluster, mutants, serve, sim, worker
+from adapters.engine.errors import ModelError
 
 
 class Command(Protocol):
@@ -50,4 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args = parser().parse_args(argv)
     [module] = [module for name, _, module in COMMANDS if name == args.command]
-    return module.run(args)
+    try:
+        return module.run(args)
+    except ModelError as error:  # a model that cannot be served: one line, no traceback
+        print(f"fencepost {args.command}: {error}", file=sys.stderr, flush=True)
+        return 2

@@ -35,6 +35,7 @@ from adapters.cli import (
     add_decode_arguments,
     add_kv_cache_arguments,
     add_weights_argument,
+    positive,
     warn_unused,
 )
 from adapters.cli.worker import listen_address
@@ -51,6 +52,7 @@ log = logging.getLogger("fencepost.serve")
 
 
 _DEADLINES = RouterConfig()  # the router's default progress deadlines
+FAKE_CONTEXT = 2048  # the fake model's context unless --max-context says
 
 
 @dataclass
@@ -62,11 +64,11 @@ class ServeOptions:
     worker_listen: tuple[str, int] | None = None
     local_worker: bool = True
     slots: int = 16
-    max_context: int = 2048
+    max_context: int | None = None  # None: the model's own (the fake model: 2048)
     threads: int | None = None
     weights: str = "auto"
     prefix_caching: bool = True
-    kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS
+    kv_cache_tokens: int | None = None  # None: sized from memory (the fake: the default)
     decode: str = "auto"
     decode_attention: str = "auto"
     fake: bool = False
@@ -107,7 +109,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve only through remote workers",
     )  # fmt: skip
     parser.add_argument("--slots", type=int, default=16, help="concurrent sequences per worker")
-    parser.add_argument("--max-context", type=int, default=2048)
+    parser.add_argument(
+        "--max-context", type=positive, default=None, metavar="TOKENS",
+        help="longest context a request may have (default: the model's own, cut to what "
+        "the KV cache holds; the fake model: 2048)",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_weights_argument(parser)
     add_kv_cache_arguments(parser)
@@ -241,28 +247,26 @@ def build_model(options: ServeOptions) -> tuple[ServedModel, Decoder | None]:
                 options.fake_step_ms / 1000,
                 prefill_s_per_token=options.fake_prefill_ms_per_token / 1000,
                 prefix_caching=options.prefix_caching,
-                kv_cache_tokens=options.kv_cache_tokens,
+                kv_cache_tokens=options.kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS,
             )
             if options.local_worker
             else None
         )
-        return FakeChatModel(name, options.max_context), decoder
+        return FakeChatModel(name, options.max_context or FAKE_CONTEXT), decoder
     from adapters.engine.model import load_boundary, load_model
 
     if not options.local_worker:  # a router only: the tokenizer, never the weights
         boundary = load_boundary(options.model)
-        max_context = min(options.max_context, boundary.max_context)
+        max_context = min(options.max_context or boundary.max_context, boundary.max_context)
         name = options.served_model_name or boundary.name
         return ChatModel(name, boundary.tokenizer, max_context), None
-    loaded = load_model(options.model)
-    max_context = min(options.max_context, loaded.max_context)
-    model = ChatModel(options.served_model_name or loaded.name, loaded.tokenizer, max_context)
+    loaded = load_model(options.model, max_context=options.max_context)
     slots, weights, threads = options.slots, options.weights, options.threads
     on_thread = EngineDecoder(
         *serving_engine(
             loaded,
             slots,
-            max_context,
+            options.max_context,
             weights,
             threads,
             prefix_caching=options.prefix_caching,
@@ -271,6 +275,8 @@ def build_model(options: ServeOptions) -> tuple[ServedModel, Decoder | None]:
             attention=options.decode_attention,
         )
     )
+    context = on_thread.engine.limits.max_context  # the model's, or what the pool holds
+    model = ChatModel(options.served_model_name or loaded.name, loaded.tokenizer, context)
     return model, on_thread
 
 

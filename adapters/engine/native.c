@@ -74,12 +74,27 @@ typedef struct {
     const float *embed;      /* [vocab][hidden] */
     const float *final_norm; /* [hidden] */
     const Mat *head;
-    const float *const *input_norm; /* [layers] -> [hidden] */
-    const float *const *post_norm;
+    /* Per layer: [layers] pointers, NULL where the layer has no such tensor (the
+     * families differ in which norms, biases and rotary each layer has: spec.py). */
+    const float *const *input_norm;     /* [hidden], before attention */
+    const float *const *post_norm;      /* [hidden], before the MLP */
     const Mat *qkv, *o, *gate_up, *down; /* [layers] */
     uint16_t *k_cache, *v_cache; /* fp16 [layers][kv_heads][slots][head_dim] (keys: per
                                   * block [head_dim][block_size], see attend_head) */
-    const float *cos, *sin;   /* [max_context][head_dim] */
+    const float *const *cos, *const *sin; /* [max_context][rot_dim]; NULL: no rotary */
+    const float *const *qkv_bias;       /* [q_size + 2 kv_size] */
+    const float *const *o_bias;         /* [hidden] */
+    const float *const *gate_up_bias;   /* [2 inter] */
+    const float *const *down_bias;      /* [hidden] */
+    const float *const *q_norm, *const *k_norm; /* [head_dim] (per head) or the width */
+    const float *const *attn_out_norm;  /* [hidden], on attention's output (Gemma, OLMo 2) */
+    const float *const *mlp_out_norm;   /* [hidden], on the MLP's output */
+    const int32_t *window;              /* [layers]: positions a query sees; 0: all */
+    const float *softcap;               /* [layers]: scores -> tanh(s / c) * c; 0: none */
+    int32_t rot_dim;                    /* rotated dimensions of each head (even) */
+    int32_t qk_norm_width;              /* 1: q and k normalised whole, 0: per head */
+    int32_t gelu;                       /* 1: tanh-GELU gate, 0: SiLU */
+    float final_softcap;                /* logits -> tanh(l / c) * c; 0: none */
 } Model;
 
 const char *fp_isa(void) { return FP_ISA; }
@@ -546,6 +561,24 @@ static void rms_norm(const float *x, const float *w, int n, float eps, float *ou
     for (int i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
 }
 
+/* tanh from exp_approx: 1 - 2 / (e^2v + 1), saturating far out (e^2v clamps). */
+static inline float tanh_approx(float v) { return 1.0f - 2.0f / (exp_approx(2.0f * v) + 1.0f); }
+
+static inline float softcap(float v, float cap) { return tanh_approx(v / cap) * cap; }
+
+/* x (n values) through the norm w when the layer has one, else copied: into out. */
+static void norm_or_copy(const float *x, const float *w, int n, float eps, float *out) {
+    if (w)
+        rms_norm(x, w, n, eps, out);
+    else
+        memcpy(out, x, (size_t)n * sizeof(float));
+}
+
+static void add_bias(float *x, const float *bias, int n) {
+    if (bias)
+        for (int i = 0; i < n; i++) x[i] += bias[i];
+}
+
 static void rotate(float *x, const float *cos, const float *sin, int dim) {
     int half = dim / 2;
     float tmp[512];
@@ -573,6 +606,9 @@ static void attend_head(const Model *md, int layer, int h, const float *q, const
                         const int64_t *slots, int64_t position, float *scores, float *out) {
     int dim = md->head_dim, group = md->heads / md->kv_heads, bs = md->block_size;
     int64_t count = position + 1, blocks = (count + bs - 1) / bs;
+    /* A window: the query sees positions first..position only. */
+    int64_t window = md->window[layer], first = window > 0 && count > window ? count - window : 0;
+    float cap = md->softcap[layer];
     size_t head_stride = (size_t)md->slots * dim;
     size_t at = (size_t)layer * md->kv_heads * head_stride + h * head_stride;
     const uint16_t *keys = md->k_cache + at, *values = md->v_cache + at;
@@ -591,18 +627,20 @@ static void attend_head(const Model *md, int layer, int h, const float *q, const
     }
     for (int j = 0; j < group; j++) {
         float *s = scores + j * blocks * bs;
+        if (cap > 0.0f)
+            for (int64_t p = first; p < count; p++) s[p] = softcap(s[p], cap);
         float top = -INFINITY;
-        for (int p = 0; p < count; p++) top = s[p] > top ? s[p] : top;
-        for (int p = 0; p < count; p++) s[p] = exp_approx(s[p] - top);
+        for (int64_t p = first; p < count; p++) top = s[p] > top ? s[p] : top;
+        for (int64_t p = first; p < count; p++) s[p] = exp_approx(s[p] - top);
         float part[16] = {0};
-        int p = 0;
+        int64_t p = first;
         for (; p + 16 <= count; p += 16)
             for (int i = 0; i < 16; i++) part[i] += s[p + i];
         for (; p < count; p++) part[0] += s[p];
         float inv = 1.0f / sum16(part);
         float *o = out + (h * group + j) * dim;
         for (int i = 0; i < dim; i++) o[i] = 0.0f;
-        for (p = 0; p < count; p++) {
+        for (p = first; p < count; p++) {
             const uint16_t *v = values + slots[p] * dim;
             vf w = VF_SET1(s[p] * inv);
             for (int d0 = 0; d0 < dim; d0 += TILE)
@@ -638,6 +676,44 @@ static void attend_part(void *ctx, int part, int parts) {
 
 static inline float silu(float v) { return v / (1.0f + exp_approx(-v)); }
 
+/* GELU with tanh: 0.5 v (1 + tanh(sqrt(2 / pi) (v + 0.044715 v^3))). */
+static inline float gelu_tanh(float v) {
+    return 0.5f * v * (1.0f + tanh_approx(0.7978845608f * (v + 0.044715f * v * v * v)));
+}
+
+/* q and k of one row (the start of its fused q|k|v) RMSNorm-ed as the layer says. */
+static void qk_norm(const Model *md, int l, float *f, float *tmp) {
+    int dim = md->head_dim, q_size = md->heads * dim, kv_size = md->kv_heads * dim;
+    if (md->qk_norm_width) {
+        rms_norm(f, md->q_norm[l], q_size, md->eps, tmp);
+        memcpy(f, tmp, (size_t)q_size * sizeof(float));
+        rms_norm(f + q_size, md->k_norm[l], kv_size, md->eps, tmp);
+        memcpy(f + q_size, tmp, (size_t)kv_size * sizeof(float));
+        return;
+    }
+    for (int h = 0; h < md->heads + md->kv_heads; h++) {
+        const float *w = h < md->heads ? md->q_norm[l] : md->k_norm[l];
+        rms_norm(f + h * dim, w, dim, md->eps, tmp);
+        memcpy(f + h * dim, tmp, (size_t)dim * sizeof(float));
+    }
+}
+
+/* A sublayer's output rows (out) get their bias, their norm if the layer has one (into
+ * scratch, then back), and are added to the residual stream x. */
+static void finish_sublayer(const Model *md, const float *bias, const float *norm, int rows,
+                            float *out, float *scratch, float *x) {
+    int hidden = md->hidden;
+    for (int r = 0; r < rows; r++) {
+        float *o = out + (size_t)r * hidden;
+        add_bias(o, bias, hidden);
+        if (norm) {
+            rms_norm(o, norm, hidden, md->eps, scratch + (size_t)r * hidden);
+            memcpy(o, scratch + (size_t)r * hidden, (size_t)hidden * sizeof(float));
+        }
+    }
+    for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += out[i];
+}
+
 /* One forward pass of `rows` rows, each a token at a position of a sequence whose block
  * table (`width` blocks, covering the position) it names -> logits [count][vocab] of
  * the rows listed in `wanted`. Each layer writes every row's key and value before any
@@ -650,7 +726,10 @@ int fp_forward(const Model *md, int32_t rows, const int64_t *tokens, const int64
     int hidden = md->hidden, dim = md->head_dim, inter = md->inter;
     int q_size = md->heads * dim, kv_size = md->kv_heads * dim;
     int qkv_size = q_size + 2 * kv_size;
+    /* The widest activation any product quantizes: the residual stream, the MLP's
+     * inner width, or attention's output (wider than the stream in some models). */
     int widest = hidden > inter ? hidden : inter;
+    widest = widest > q_size ? widest : q_size;
     int64_t longest = 0;
     for (int r = 0; r < rows; r++) longest = positions[r] + 1 > longest ? positions[r] + 1 : longest;
     int group = md->heads / md->kv_heads;
@@ -676,15 +755,21 @@ int fp_forward(const Model *md, int32_t rows, const int64_t *tokens, const int64
         size_t layer_stride = (size_t)md->kv_heads * head_stride;
         for (int l = 0; l < md->layers; l++) {
             for (int r = 0; r < rows; r++)
-                rms_norm(x + (size_t)r * hidden, md->input_norm[l], hidden, md->eps,
-                         normed + (size_t)r * hidden);
+                norm_or_copy(x + (size_t)r * hidden, md->input_norm[l], hidden, md->eps,
+                             normed + (size_t)r * hidden);
             quantize(normed, rows, hidden, &a);
             product(&md->qkv[l], &a, fused, threads);
             for (int r = 0; r < rows; r++) {
                 float *f = fused + (size_t)r * qkv_size;
                 int64_t pos = positions[r];
-                const float *cos = md->cos + pos * dim, *sin = md->sin + pos * dim;
-                for (int h = 0; h < md->heads + md->kv_heads; h++) rotate(f + h * dim, cos, sin, dim);
+                add_bias(f, md->qkv_bias[l], qkv_size);
+                if (md->q_norm[l]) qk_norm(md, l, f, attn + (size_t)r * q_size);
+                if (md->cos[l]) {
+                    int rot = md->rot_dim;
+                    const float *cos = md->cos[l] + pos * rot, *sin = md->sin[l] + pos * rot;
+                    for (int h = 0; h < md->heads + md->kv_heads; h++)
+                        rotate(f + h * dim, cos, sin, rot);
+                }
                 int64_t slot = slots[r * longest + pos];
                 int64_t block = slot / md->block_size, offset = slot % md->block_size;
                 for (int h = 0; h < md->kv_heads; h++) {
@@ -703,20 +788,24 @@ int fp_forward(const Model *md, int32_t rows, const int64_t *tokens, const int64
             run_parts(attend_part, &job, threads < items ? threads : items);
             quantize(attn, rows, q_size, &a);
             product(&md->o[l], &a, out, threads);
-            for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += out[i];
+            finish_sublayer(md, md->o_bias[l], md->attn_out_norm[l], rows, out, normed, x);
             for (int r = 0; r < rows; r++)
-                rms_norm(x + (size_t)r * hidden, md->post_norm[l], hidden, md->eps,
-                         normed + (size_t)r * hidden);
+                norm_or_copy(x + (size_t)r * hidden, md->post_norm[l], hidden, md->eps,
+                             normed + (size_t)r * hidden);
             quantize(normed, rows, hidden, &a);
             product(&md->gate_up[l], &a, fused, threads);
             for (int r = 0; r < rows; r++) {
-                const float *gu = fused + (size_t)r * 2 * inter;
+                float *gu = fused + (size_t)r * 2 * inter;
                 float *h = normed + (size_t)r * inter;
-                for (int i = 0; i < inter; i++) h[i] = silu(gu[i]) * gu[inter + i];
+                add_bias(gu, md->gate_up_bias[l], 2 * inter);
+                if (md->gelu)
+                    for (int i = 0; i < inter; i++) h[i] = gelu_tanh(gu[i]) * gu[inter + i];
+                else
+                    for (int i = 0; i < inter; i++) h[i] = silu(gu[i]) * gu[inter + i];
             }
             quantize(normed, rows, inter, &a);
             product(&md->down[l], &a, out, threads);
-            for (size_t i = 0; i < (size_t)rows * hidden; i++) x[i] += out[i];
+            finish_sublayer(md, md->down_bias[l], md->mlp_out_norm[l], rows, out, normed, x);
         }
         for (int k = 0; k < count; k++)
             rms_norm(x + (size_t)wanted[k] * hidden, md->final_norm, hidden, md->eps,
@@ -724,6 +813,9 @@ int fp_forward(const Model *md, int32_t rows, const int64_t *tokens, const int64
         if (count > 0) {
             quantize(normed, count, hidden, &a);
             product(md->head, &a, logits, threads);
+            if (md->final_softcap > 0.0f)
+                for (size_t i = 0; i < (size_t)count * md->vocab; i++)
+                    logits[i] = softcap(logits[i], md->final_softcap);
         }
     }
     act_free(&a);

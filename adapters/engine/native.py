@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from adapters.engine.spec import ModelSpec
+
 SOURCE = Path(__file__).with_name("native.c")
 GROUP = 32
 ISAS = {
@@ -69,6 +71,11 @@ class Mat(ctypes.Structure):
     ]
 
 
+# native.c's per-layer pointer arrays after the caches, in its order (NULL: none).
+PER_LAYER = ("cos", "sin", "qkv_bias", "o_bias", "gate_up_bias", "down_bias", "q_norm",
+             "k_norm", "attn_out_norm", "mlp_out_norm")  # fmt: skip
+
+
 class ModelStruct(ctypes.Structure):
     _fields_ = [
         ("hidden", ctypes.c_int32),
@@ -93,8 +100,13 @@ class ModelStruct(ctypes.Structure):
         ("down", ctypes.POINTER(Mat)),
         ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p),
-        ("cos", ctypes.c_void_p),
-        ("sin", ctypes.c_void_p),
+        *((name, ctypes.POINTER(ctypes.c_void_p)) for name in PER_LAYER),
+        ("window", ctypes.POINTER(ctypes.c_int32)),
+        ("softcap", ctypes.POINTER(ctypes.c_float)),
+        ("rot_dim", ctypes.c_int32),
+        ("qk_norm_width", ctypes.c_int32),
+        ("gelu", ctypes.c_int32),
+        ("final_softcap", ctypes.c_float),
     ]
 
 
@@ -273,6 +285,22 @@ def pack8(weight: torch.Tensor, tile: int) -> torch.Tensor:
     return torch.cat([q.view(torch.uint8), _bytes(scales)], dim=-1).contiguous()
 
 
+# Rows packed at a time: packing makes several fp32 temporaries of its input's size
+# (a 49k x 2048 head's would be GBs at once); tiles are independent, so parts of
+# whole tiles packed one after the other give the same bytes.
+PACK_ROWS = 4096
+
+
+def pack_in_parts(weight: torch.Tensor, bits: int, tile: int) -> torch.Tensor:
+    """pack4 or pack8 of `weight`, PACK_ROWS rows (whole tiles) at a time."""
+    pack = pack4 if bits == 4 else pack8
+    rows = max(tile, PACK_ROWS // tile * tile)
+    if weight.shape[0] <= rows:
+        return pack(weight, tile)
+    parts = [pack(weight[first : first + rows], tile) for first in range(0, weight.shape[0], rows)]
+    return torch.cat(parts)
+
+
 def unpack(packed: torch.Tensor, bits: int, out_features: int, in_features: int) -> torch.Tensor:
     """The float weights [out, in] a packed matrix stands for (for tests and the gate)."""
     tiles, groups, width = packed.shape
@@ -315,8 +343,7 @@ class NativeProduct:
             raise ValueError("the native formats are CPU formats")
         self.library = library or load()
         out_features, in_features = weight.shape
-        pack = pack4 if bits == 4 else pack8
-        self.packed = pack(weight.detach(), self.library.tile)
+        self.packed = pack_in_parts(weight.detach(), bits, self.library.tile)
         self.bits = bits
         self.out_features, self.in_features = out_features, in_features
         self.mat = Mat(
@@ -341,17 +368,32 @@ class NativeProduct:
         return unpack(self.packed, self.bits, self.out_features, self.in_features)
 
 
-def shape_problem(config: Any, block_size: int = 16) -> str | None:
-    """Why a Llama config's shapes do not fit the fused pass, or None when they do."""
-    heads, hidden = int(config.num_attention_heads), int(config.hidden_size)
-    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+# What the fused pass computes beyond the plain Llama layer (spec.ModelSpec.features):
+# all of it.
+NATIVE_FEATURES = frozenset({
+    "window", "softcap", "qk_norm_head", "qk_norm_width", "qkv_bias", "o_bias",
+    "no_rotary", "mlp_bias", "gelu_tanh", "post_norms", "no_pre_norms", "partial_rotary",
+    "final_softcap",
+})  # fmt: skip
+
+
+def model_problem(spec: ModelSpec, block_size: int = 16) -> str | None:
+    """Why the fused pass cannot run this model, or None when it can: a feature of its
+    layers native.c does not compute, or shapes its tiles cannot take."""
+    missing = sorted(spec.features() - NATIVE_FEATURES)
+    if missing:
+        return f"the fused pass does not compute {', '.join(missing)}"
+    head_dim = spec.head_dim
     if head_dim % 16 or head_dim > 512:
         return f"head_dim {head_dim}: the fused pass needs a multiple of 16 up to 512"
-    for name in ("hidden_size", "intermediate_size"):
-        if int(getattr(config, name)) % GROUP:
-            return f"{name} {getattr(config, name)}: the native formats need a multiple of {GROUP}"
-    if heads * head_dim % GROUP:
-        return f"attention width {heads * head_dim}: not a multiple of {GROUP}"
+    widths = {"hidden_size": spec.hidden, "intermediate_size": spec.layers[0].mlp.intermediate}
+    for name, width in widths.items():
+        if width % GROUP:
+            return f"{name} {width}: the native formats need a multiple of {GROUP}"
+    if len({layer.mlp.intermediate for layer in spec.layers}) > 1:
+        return "layers of different widths"
+    if spec.heads * head_dim % GROUP:
+        return f"attention width {spec.heads * head_dim}: not a multiple of {GROUP}"
     if block_size % 16:
         return f"block size {block_size}: the fused pass needs a multiple of 16"
     return None
@@ -363,25 +405,55 @@ class NativeModel:
     KV cache is fp16 in this format, each block's keys transposed ([dim][block_size],
     native.c's attend_head): only native.c reads or writes it."""
 
-    def __init__(self, runner: Any, config: Any) -> None:
+    def __init__(self, runner: Any) -> None:
         layers = runner.layers
         products = [layer.qkv for layer in layers] + [runner.lm_head]
         if not all(isinstance(p, NativeProduct) for p in products):
             raise ValueError("the fused step needs native products")
         self.library: Library = runner.lm_head.library
-        problem = shape_problem(config, runner.block_size)
+        problem = model_problem(runner.spec, runner.block_size)
         if problem:
             raise ValueError(problem)
+        spec = runner.spec
         count = len(layers)
         self._mats = {
             name: (Mat * count)(*(getattr(layer, name).mat for layer in layers))
             for name in ("qkv", "o", "gate_up", "down")
         }
-        self._norms = {
-            name: (ctypes.c_void_p * count)(*(getattr(layer, name).data_ptr() for layer in layers))
-            for name in ("input_norm", "post_norm")
+        keep: list[Any] = [runner.embed, runner.final_norm, runner.lm_head]
+
+        def pointers(tensors: list[torch.Tensor | None]) -> Any:
+            """A [layers] array of data pointers (NULL for None), its tensors kept alive."""
+            for tensor in tensors:
+                if tensor is not None:
+                    assert tensor.dtype == torch.float32 and tensor.is_contiguous()
+                    keep.append(tensor)
+            array = (ctypes.c_void_p * count)(
+                *(t.data_ptr() if t is not None else None for t in tensors)
+            )
+            keep.append(array)
+            return ctypes.cast(array, ctypes.POINTER(ctypes.c_void_p))
+
+        attention = [layer.attention for layer in spec.layers]
+        tables = [None if a.rotary is None else runner.rotary_tables[a.rotary] for a in attention]
+        rot_dims = {table[0].shape[-1] for table in tables if table is not None}
+        if len(rot_dims) > 1:
+            raise ValueError("the fused pass rotates the same part of every head in all layers")
+        per_layer = {
+            "cos": [None if t is None else t[0].contiguous() for t in tables],
+            "sin": [None if t is None else t[1].contiguous() for t in tables],
+            "qkv_bias": [w.qkv_bias for w in layers],
+            "o_bias": [w.o_bias for w in layers],
+            "gate_up_bias": [w.gate_up_bias for w in layers],
+            "down_bias": [w.down_bias for w in layers],
+            "q_norm": [w.q_norm for w in layers],
+            "k_norm": [w.k_norm for w in layers],
+            "attn_out_norm": [w.post_attention for w in layers],
+            "mlp_out_norm": [w.post_mlp for w in layers],
         }
-        self._keep = (runner.embed, runner.final_norm, runner.cos, runner.sin, runner.lm_head)
+        windows = (ctypes.c_int32 * count)(*(a.window or 0 for a in attention))
+        caps = (ctypes.c_float * count)(*(a.softcap or 0.0 for a in attention))
+        keep += [windows, caps]
         inter = layers[0].down.in_features
         self.struct = ModelStruct(
             hidden=runner.embed.shape[1],
@@ -398,17 +470,23 @@ class NativeModel:
             embed=runner.embed.data_ptr(),
             final_norm=runner.final_norm.data_ptr(),
             head=ctypes.pointer(runner.lm_head.mat),
-            input_norm=ctypes.cast(self._norms["input_norm"], ctypes.POINTER(ctypes.c_void_p)),
-            post_norm=ctypes.cast(self._norms["post_norm"], ctypes.POINTER(ctypes.c_void_p)),
+            input_norm=pointers([w.pre_attention for w in layers]),
+            post_norm=pointers([w.pre_mlp for w in layers]),
             qkv=ctypes.cast(self._mats["qkv"], ctypes.POINTER(Mat)),
             o=ctypes.cast(self._mats["o"], ctypes.POINTER(Mat)),
             gate_up=ctypes.cast(self._mats["gate_up"], ctypes.POINTER(Mat)),
             down=ctypes.cast(self._mats["down"], ctypes.POINTER(Mat)),
             k_cache=runner.k_cache.data_ptr(),
             v_cache=runner.v_cache.data_ptr(),
-            cos=runner.cos.data_ptr(),
-            sin=runner.sin.data_ptr(),
+            **{name: pointers(tensors) for name, tensors in per_layer.items()},
+            window=ctypes.cast(windows, ctypes.POINTER(ctypes.c_int32)),
+            softcap=ctypes.cast(caps, ctypes.POINTER(ctypes.c_float)),
+            rot_dim=rot_dims.pop() if rot_dims else runner.head_dim,
+            qk_norm_width=int(any(a.qk_norm == "width" for a in attention)),
+            gelu=int(spec.layers[0].mlp.activation == "gelu_tanh"),
+            final_softcap=spec.final_softcap or 0.0,
         )
+        self._keep = keep
         self.vocab = runner.vocab_size
         self.max_context = runner.max_context
         self.blocks = runner.num_blocks

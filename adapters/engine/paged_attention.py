@@ -11,7 +11,7 @@ ways to spend that, chosen at start by timing them on the device
   a softmax. Simple and exact, but every step reads max_context positions
   per row whatever the rows' real lengths are.
 - "sdpa": the same gather, then torch's scaled_dot_product_attention (a
-  candidate on CUDA only: on CPU its kernel's fixed costs lose, llama.py).
+  candidate on CUDA only: on CPU its kernel's fixed costs lose, runner.py).
 - "triton": a kernel that reads each row's blocks where they lie in the
   pool, up to that row's own length, so a step costs what the rows really
   hold. A row's positions are cut into spans of SPAN (256) positions, or, for
@@ -24,11 +24,14 @@ ways to spend that, chosen at start by timing them on the device
   (no split chosen by how busy the step is). A program whose span lies past its row's length reads
   and stores nothing, and the join reads only the spans a row uses.
 
-All take q [rows, heads, dim] (already scaled by 1/sqrt(dim); rows may be
-strided, as the query part of the rotated q and k is) and one
-layer's cache [kv_heads, slots, dim], and give [rows, heads * dim].
-`bind(tables, lengths)` does the per-step work once (the mask, the span
-grid) and returns the per-layer function.
+All take q [rows, heads, dim] (already scaled; rows may be strided, as the
+query part of the rotated q and k is), one layer's cache [kv_heads, slots,
+dim] and that layer's attention settings (spec.Attention), and give [rows,
+heads * dim]. `bind(tables, lengths)` does the per-step work once (the masks,
+the span grid) and returns the per-layer function. Not every kind runs every
+layer: the gathers mask a layer's window and cap its scores; SDPA takes a
+window but no cap; the kernel neither. `problem(spec)` says what a kind cannot
+run for a model, and the choice leaves it out with that reason.
 
 The kernels (triton_kernels.py) are imported at first use, so CPU serving
 never imports triton; with TRITON_INTERPRET=1 set before that first use they
@@ -46,7 +49,8 @@ import torch
 import torch.nn.functional as F
 
 from adapters.engine.fused import next_pow2, triton_missing
-from adapters.engine.llama import Attend, attend_gathered
+from adapters.engine.runner import Attend, attend_gathered
+from adapters.engine.spec import Attention, ModelSpec
 
 ATTENTIONS = ("gather", "sdpa", "triton")
 SPAN = 256  # positions per program of the triton kernel, for rows up to MAX_SPANS * SPAN
@@ -64,33 +68,54 @@ class GatherAttention:
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.block_size = block_size
 
+    @staticmethod
+    def problem(spec: ModelSpec) -> str | None:
+        del spec
+        return None  # windows and caps alike
+
     def bind(self, tables: torch.Tensor, lengths: torch.Tensor) -> Attend:
         rows, width = tables.shape
         span = width * self.block_size
         positions = torch.arange(span, device=tables.device)
         past = positions[None, :] >= lengths[:, None]  # [rows, span]
         blocks = tables.flatten().to(torch.int64)
-        masks: dict[torch.dtype, torch.Tensor] = {}  # built at the first layer, kept
+        masks: dict[tuple[torch.dtype, int | None], torch.Tensor] = {}  # built once per step
 
-        def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-            if q.dtype not in masks:
-                zeros = torch.zeros(past.shape, dtype=q.dtype, device=q.device)
-                masks[q.dtype] = zeros.masked_fill(past, float("-inf"))
+        def mask_for(dtype: torch.dtype, window: int | None) -> torch.Tensor:
+            if (dtype, window) not in masks:
+                hidden = (
+                    past
+                    if window is None
+                    else past | (positions[None, :] < lengths[:, None] - window)
+                )
+                zeros = torch.zeros(past.shape, dtype=dtype, device=past.device)
+                masks[dtype, window] = zeros.masked_fill(hidden, float("-inf"))
+            return masks[dtype, window]
+
+        def attend(
+            q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: Attention
+        ) -> torch.Tensor:
             by_block = (self.kv_heads, -1, self.block_size, self.head_dim)
             keys = torch.index_select(k_cache.view(by_block), 1, blocks)
             values = torch.index_select(v_cache.view(by_block), 1, blocks)
             shape = (self.kv_heads, rows, span, self.head_dim)
-            return self._attend(q, keys.view(shape), values.view(shape), masks[q.dtype])
+            mask = mask_for(q.dtype, layer.window)
+            return self._attend(q, keys.view(shape), values.view(shape), mask, layer)
 
         return attend
 
     def _attend(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor,
+        layer: Attention,
     ) -> torch.Tensor:
         """q [rows, heads, dim] over keys and values [kv_heads, rows, span, dim], the
         additive mask [rows, span] -> [rows, heads * dim]: the eager step's products."""
         rows, span = mask.shape
-        return attend_gathered(q, keys, values, mask.view(1, rows, 1, span))
+        return attend_gathered(q, keys, values, mask.view(1, rows, 1, span), layer.softcap)
 
 
 class SdpaAttention(GatherAttention):
@@ -99,8 +124,19 @@ class SdpaAttention(GatherAttention):
 
     name = "sdpa"
 
+    @staticmethod
+    def problem(spec: ModelSpec) -> str | None:
+        if "softcap" in spec.features():
+            return "it cannot soft-cap attention scores"
+        return None
+
     def _attend(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor,
+        layer: Attention,
     ) -> torch.Tensor:
         rows, span, dim = keys.shape[1:]
         out = F.scaled_dot_product_attention(
@@ -131,6 +167,13 @@ class TritonAttention:
         self.group_p2 = max(2, next_pow2(self.group))
         self.spans = min(MAX_SPANS, -(-max_context // SPAN))  # the most a row can use
 
+    @staticmethod
+    def problem(spec: ModelSpec) -> str | None:
+        found = spec.features() & {"window", "softcap"}
+        if found:
+            return f"the kernel has no {' or '.join(sorted(found))}"
+        return None
+
     def bind(
         self, tables: torch.Tensor, lengths: torch.Tensor, longest: int | None = None
     ) -> Attend:
@@ -147,7 +190,10 @@ class TritonAttention:
         tables = tables.to(torch.int32).contiguous()
         lengths = lengths.to(torch.int32).contiguous()
 
-        def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        def attend(
+            q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: Attention
+        ) -> torch.Tensor:
+            del layer  # a model that windows or caps never gets this kind (problem)
             assert q.stride(2) == 1 and q.stride(1) == self.head_dim, "heads, dims contiguous"
             out = torch.empty((rows, self.heads * self.head_dim), dtype=q.dtype, device=device)
             slots = k_cache.shape[1]
@@ -206,7 +252,7 @@ def choose_attention(
     trial = _Trial(runner, rows)
     # The reference: the gather in fp32, whatever the cache's dtype.
     reference = candidates[0].bind(trial.tables, trial.lengths)
-    want = reference(trial.q.float(), trial.k.float(), trial.v.float())
+    want = reference(trial.q.float(), trial.k.float(), trial.v.float(), trial.layer)
     tolerance = 1e-4 if trial.q.dtype == torch.float32 else 3e-2
     timings = []
     for candidate in candidates:
@@ -235,9 +281,12 @@ def _candidates(runner: Any, say: Callable[[str], None]) -> list[GatherAttention
     """The kinds that can run for this runner's shape on its device, gather first."""
     shape = (runner.heads, runner.kv_heads, runner.head_dim, runner.block_size)
     candidates: list[GatherAttention | TritonAttention] = [GatherAttention(*shape)]
-    if runner.device.type == "cuda":  # on CPU the flash kernel's fixed costs lose (llama.py)
-        candidates.append(SdpaAttention(*shape))
-    problem = triton_missing() or triton_problem(*shape[:3])
+    if runner.device.type == "cuda":  # on CPU the flash kernel's fixed costs lose (runner.py)
+        if (unfit := SdpaAttention.problem(runner.spec)) is None:
+            candidates.append(SdpaAttention(*shape))
+        else:
+            say(f"decode attention: no sdpa candidate for this model ({unfit})")
+    problem = triton_missing() or triton_problem(*shape[:3]) or TritonAttention.problem(runner.spec)
     if runner.device.type != "cuda":
         problem = problem or f"the kernel is compiled for CUDA, not {runner.device.type}"
     if problem is None:
@@ -264,17 +313,18 @@ class _Trial:
         self.q = (q * runner.head_dim**-0.5).to(device=device, dtype=dtype)  # scaled, as served
         self.k = torch.randn(runner.k_cache.shape[1:], device=device, dtype=dtype)
         self.v = torch.randn(runner.v_cache.shape[1:], device=device, dtype=dtype)
+        self.layer = runner.spec.layers[0].attention  # its window and cap, if any
 
     def time(self, attention: GatherAttention | TritonAttention) -> tuple[float, torch.Tensor]:
         """Seconds per call (the median of 7 timings of 5 calls) and the output."""
         attend = attention.bind(self.tables, self.lengths)
-        out = attend(self.q, self.k, self.v)
+        out = attend(self.q, self.k, self.v, self.layer)
         samples = []
         for _ in range(7):
             _sync(self.q.device)
             began = time.perf_counter()
             for _ in range(5):
-                attend(self.q, self.k, self.v)
+                attend(self.q, self.k, self.v, self.layer)
             _sync(self.q.device)
             samples.append((time.perf_counter() - began) / 5)
         samples.sort()

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from adapters.engine.llama import DEFAULT_BLOCK_SIZE, LlamaRunner
 from adapters.engine.model import LoadedModel, cache_root, chat_token_ids, model_key
+from adapters.engine.runner import DEFAULT_BLOCK_SIZE, Runner
 
 GATE = 0.02  # a default format's perplexity may exceed fp32's by at most 2%
 TOPICS = ("naming", "exceptions", "execmodel", "truth", "if", "while", "for", "try", "function")
@@ -57,7 +57,7 @@ def text_tokens(loaded: LoadedModel, count: int) -> list[int]:
     return [int(t) for t in ids[: count + 1]]
 
 
-def perplexity(runner: LlamaRunner, tokens: list[int], chunk: int = 256) -> float:
+def perplexity(runner: Runner, tokens: list[int], chunk: int = 256) -> float:
     """exp(mean NLL of each token given all before it), prefilled in chunks into one
     sequence that holds every block of the runner's pool."""
     if len(tokens) > runner.max_context:
@@ -135,7 +135,7 @@ def perplexities(
             if say is not None:
                 say(f"quality gate: scoring {fmt} weights on {tokens} tokens of reference text")
             blocks = -(-(tokens + 1) // DEFAULT_BLOCK_SIZE)
-            runner = LlamaRunner(loaded.model, blocks, DEFAULT_BLOCK_SIZE, tokens + 1, fmt)
+            runner = Runner(loaded, blocks, DEFAULT_BLOCK_SIZE, tokens + 1, fmt)
             known[names[fmt]] = perplexity(runner, ids)
             del runner
         # Written only when something was measured: a cache baked into a read-only

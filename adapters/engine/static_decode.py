@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from adapters.engine.llama import LlamaRunner, padded_table
 from adapters.engine.paged_attention import GatherAttention, TritonAttention
+from adapters.engine.runner import Runner, padded_table
 
 SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32)
 BUCKET_STEP = 32  # past SMALL_BUCKETS, every multiple of this up to the row limit
@@ -51,7 +51,7 @@ class StaticDecode:
 
     def __init__(
         self,
-        runner: LlamaRunner,
+        runner: Runner,
         rows: int,
         attention: GatherAttention | TritonAttention,
         graphs: bool,

@@ -19,6 +19,18 @@ Tools (the request's, and calls and results in the history) go through the
 chat template when it renders them (a template that renders something else
 when given `tools=`); otherwise, and always for the fake model, they are
 rendered as text by tool_prompt.render_with_tools before the template.
+
+call_syntax is how the model writes tool calls (callsyntax.py): detected from
+the chat template's text unless the constructor is told (a family default),
+Hermes for the fake model. Where the syntax's markers are special tokens of
+the vocabulary (Mistral's `[TOOL_CALLS]`), decode drops them like every
+special token, and decode_with_markers keeps them: the server decodes an
+answer that is read for calls with it, so the reader sees the marker, and
+every other answer with decode, so it looks as it always did. The text
+between markers is decoded a segment at a time, so with the markers taken out
+it is decode's text but for the space a SentencePiece tokenizer drops at the
+start of a decode: the one just after a marker, where a reader skips
+whitespace anyway.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ from functools import lru_cache
 from typing import Any, Protocol
 
 from adapters.engine.model import chat_token_ids
+from adapters.openai.callsyntax import HERMES, CallSyntax, detect_syntax, syntax_named
 from adapters.openai.logprobs import byte_level_decoder
 from adapters.openai.normalize import ChatMessage
 from adapters.openai.tool_prompt import needs_tools_rendering, render_with_tools, tool_schema
@@ -41,6 +54,7 @@ class ServedModel(Protocol):
     max_context: int
     vocab_size: int  # token ids are 0..vocab_size-1
     constrains: bool  # its decoders enforce a request's grammar (response_format)
+    call_syntax: CallSyntax  # how it writes tool calls
 
     def tokenize(self, text: str) -> list[int]: ...
 
@@ -50,11 +64,17 @@ class ServedModel(Protocol):
 
     def decode(self, token_ids: list[int]) -> str: ...
 
+    def decode_with_markers(self, token_ids: list[int]) -> str:
+        """decode, but the call syntax's markers that are special tokens are kept."""
+        ...
+
     def token_bytes(self, token_id: int) -> bytes: ...
 
 
 class ChatModel:
-    def __init__(self, model_id: str, tokenizer: Any, max_context: int) -> None:
+    def __init__(
+        self, model_id: str, tokenizer: Any, max_context: int, call_syntax: str | None = None
+    ) -> None:
         self.id = model_id
         self.tokenizer = tokenizer
         self.max_context = max_context
@@ -65,6 +85,19 @@ class ChatModel:
         self.token_bytes = lru_cache(maxsize=65536)(self._token_bytes)
         self.constrains = True  # the engine builds its grammar tokenizer from this one
         self.template_renders_tools = _template_renders_tools(tokenizer)
+        template = getattr(tokenizer, "chat_template", None)
+        syntax = (
+            syntax_named(call_syntax)
+            if call_syntax is not None
+            else detect_syntax(template, self.template_renders_tools)
+        )
+        # Token id -> marker, for the syntax's markers that are special tokens here.
+        self._markers = {
+            i: t.content
+            for i, t in tokenizer.added_tokens_decoder.items()
+            if t.special and t.content in syntax.markers
+        }
+        self.call_syntax = syntax.with_special({m: i for i, m in self._markers.items()})
 
     def tokenize(self, text: str) -> list[int]:
         # The tokenizer's own special tokens (a BOS where the model wants one), as
@@ -78,12 +111,24 @@ class ChatModel:
             chat = [{"role": m.role, "content": m.content} for m in messages]
             return chat_token_ids(self.tokenizer, chat)
         if not self.template_renders_tools:
-            return chat_token_ids(self.tokenizer, render_with_tools(messages, tools))
+            chat = render_with_tools(messages, tools, self.call_syntax)
+            return chat_token_ids(self.tokenizer, chat)
         schemas = [tool_schema(t) for t in tools] or None
         return chat_token_ids(self.tokenizer, [_template_message(m) for m in messages], schemas)
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def decode_with_markers(self, token_ids: list[int]) -> str:
+        if not self._markers or not any(t in self._markers for t in token_ids):
+            return self.decode(token_ids)
+        parts, start = [], 0
+        for i, token_id in enumerate(token_ids):
+            if token_id in self._markers:
+                parts += [self.decode(token_ids[start:i]), self._markers[token_id]]
+                start = i + 1
+        parts.append(self.decode(token_ids[start:]))
+        return "".join(parts)
 
     def _token_bytes(self, token_id: int) -> bytes:
         """The vocabulary entry's bytes. Byte-level BPE: one character per byte.
@@ -119,6 +164,7 @@ class FakeChatModel:
         # Its words hold no JSON punctuation, so it could not honour a grammar: a
         # response_format that needs one is refused (400) rather than ignored.
         self.constrains = False
+        self.call_syntax: CallSyntax = HERMES
 
     def tokenize(self, text: str) -> list[int]:
         return [1 + (ord(c) % 30_000) for c in text]  # one per character, within VOCAB
@@ -126,12 +172,15 @@ class FakeChatModel:
     def tokenize_chat(
         self, messages: Sequence[ChatMessage], tools: tuple[Tool, ...] = ()
     ) -> list[int]:
-        chat = render_with_tools(messages, tools)
+        chat = render_with_tools(messages, tools, self.call_syntax)
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in chat) + "<assistant>"
         return self.tokenize(text)
 
     def decode(self, token_ids: list[int]) -> str:
         return "".join(FAKE_WORDS[t % len(FAKE_WORDS)] for t in token_ids if t != EOS_TOKEN)
+
+    def decode_with_markers(self, token_ids: list[int]) -> str:
+        return self.decode(token_ids)  # no special tokens but EOS
 
     def token_bytes(self, token_id: int) -> bytes:
         return self.decode([token_id]).encode()

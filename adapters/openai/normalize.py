@@ -15,8 +15,9 @@ small, tested subset of the OpenAI API (docs/design/http.md has both tables):
   (chat: a boolean and 0 to 20; legacy completions: logprobs 0 to 20, not
   with echo); response_format (text, json_object, json_schema:
   adapters/openai/structured.py), on both endpoints.
-- tools, tool_choice, parallel_tool_calls (tools.py reads them); assistant
-  messages with tool_calls and tool messages in the history.
+- tools, tool_choice, parallel_tool_calls (tools.py reads them; a required
+  call is held to the grammar of the model's call syntax, callsyntax.py);
+  assistant messages with tool_calls and tool messages in the history.
 - Known fields whose value asks for something we do not do (images,
   penalties, ...) are refused with 400 and `param` naming the field.
   Unknown fields are ignored.
@@ -30,16 +31,10 @@ from typing import Any
 import msgspec
 from msgspec.structs import replace
 
+from adapters.openai.callsyntax import HERMES, CallSyntax
 from adapters.openai.errors import OpenAIError, invalid
 from adapters.openai.structured import response_format
-from adapters.openai.tools import (
-    Tool,
-    ToolCall,
-    ToolSetup,
-    call_grammar,
-    read_tool_calls,
-    read_tools,
-)
+from adapters.openai.tools import Tool, ToolCall, ToolSetup, read_tool_calls, read_tools
 from core.protocol import MAX_TOP_LOGPROBS, Constraint, GenerationRequest, Sampling
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -55,6 +50,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     max_context: int
     vocab_size: int
     constrains: bool = True  # its decoders can enforce a grammar (the fake model's cannot)
+    call_syntax: CallSyntax = HERMES  # how it writes tool calls (its special markers bound)
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -175,7 +171,7 @@ def normalize_chat_request(
         return budget
     # A required call is all the answer can be, so its grammar replaces response_format's;
     # otherwise response_format's grammar (if any) holds, and the model answers in content.
-    constraint = Constraint(call_grammar(tools)) if must_call else shared.constraint
+    constraint = Constraint(model.call_syntax.grammar(tools)) if must_call else shared.constraint
     requests = _choices(shared, request_id, tuple(prompt), budget, None, constraint)
     return ChatJob(requests, shared, tools)
 

@@ -37,6 +37,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from adapters.openai.callsyntax import HERMES, CallSyntax
 from adapters.openai.egress import (
     ClientLimits,
     ClientOverflow,
@@ -56,7 +57,7 @@ from adapters.openai.normalize import (
     normalize_chat_request,
     normalize_completion_request,
 )
-from adapters.openai.toolcalls import Call, Content, ToolCallReader, read_answer
+from adapters.openai.toolcalls import Call, Content, read_answer
 from adapters.openai.tools import NO_TOOLS, Tool, ToolCall, ToolSetup
 from adapters.runtime.controller import Controller, RequestStream
 from core.protocol import (
@@ -95,10 +96,21 @@ def json_response(body: Any, status: int = 200) -> Response:
 
 class TextEgress:
     """Token ids in, client text out: detokenizer, stop strings, the count, and (when
-    asked) the logprob entries that go out with the text (logprobs.py)."""
+    asked) the logprob entries that go out with the text (logprobs.py).
 
-    def __init__(self, model: ServedModel, stops: tuple[str, ...], logprobs: bool = False) -> None:
-        self.detokenizer = IncrementalDetokenizer(model.decode)
+    `marked`: the text is read for tool calls, so it keeps the call syntax's markers
+    that are special tokens (models.py); the reader takes them out of the content.
+    Stop strings see them, as they see every other character of the text."""
+
+    def __init__(
+        self,
+        model: ServedModel,
+        stops: tuple[str, ...],
+        logprobs: bool = False,
+        marked: bool = False,
+    ) -> None:
+        decode = model.decode_with_markers if marked else model.decode
+        self.detokenizer = IncrementalDetokenizer(decode)
         self.stop = StopMatcher(stops)
         self.completion_tokens = 0
         self.logprobs = LogprobEntries(model.token_bytes) if logprobs else None
@@ -149,6 +161,7 @@ class Generation:
         stream: RequestStream,
         index: int,
         stop: tuple[str, ...],
+        marked: bool = False,  # read for tool calls (TextEgress)
     ) -> None:
         self.app = app
         self.stream = stream
@@ -156,7 +169,7 @@ class Generation:
         self.began = trio.current_time()
         self.last_token_at: float | None = None
         self.asks_logprobs = stream.request.logprobs is not None
-        self.egress = TextEgress(model, stop, self.asks_logprobs)
+        self.egress = TextEgress(model, stop, self.asks_logprobs, marked)
         self.entries: list[Entry] = []  # every entry released so far, in order
         self.outcome_recorded = False
         self.finish_reason: str | None = None
@@ -313,7 +326,8 @@ def new_call_id() -> str:
 
 class ChatAnswer(Answer):
     """Chat: content deltas, or, when the request has tools to call, content and
-    tool-call deltas as each choice's ToolCallReader finds them (toolcalls.py)."""
+    tool-call deltas as each choice's reader of the model's call syntax finds them
+    (callsyntax.py, toolcalls.py)."""
 
     chunk_object = "chat.completion.chunk"
 
@@ -325,12 +339,14 @@ class ChatAnswer(Answer):
         generations: list[Generation],
         n: int,
         tools: ToolSetup = NO_TOOLS,
+        syntax: CallSyntax = HERMES,
     ) -> None:
         super().__init__(answer_id, model, include_usage, generations, n)
         self.tools = tools
+        self.syntax = syntax
         self.names = frozenset(t.name for t in tools.callable)
         self.readers = {
-            g.index: ToolCallReader(self.names, new_call_id, tools.parallel) for g in generations
+            g.index: syntax.reader(self.names, new_call_id, tools.parallel) for g in generations
         }
 
     def _chunk(
@@ -395,7 +411,9 @@ class ChatAnswer(Answer):
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         finish_reason = generation.finish_reason
         if self.tools.parses:
-            content, calls = read_answer(text, self.names, new_call_id, self.tools.parallel)
+            content, calls = read_answer(
+                text, self.names, new_call_id, self.tools.parallel, self.syntax.reader
+            )
             message["content"] = content
             if calls:
                 message["tool_calls"] = [_call_json(c) for c in calls]
@@ -600,7 +618,13 @@ class FencepostApp:
         answer_id, job, generations = accepted
         shared = job.shared
         answer = ChatAnswer(
-            answer_id, shared.model.id, shared.include_usage, generations, shared.n, job.tools
+            answer_id,
+            shared.model.id,
+            shared.include_usage,
+            generations,
+            shared.n,
+            job.tools,
+            shared.model.call_syntax,
         )
         return await self._respond(answer, shared.stream)
 
@@ -643,7 +667,10 @@ class FencepostApp:
             return streams
         shared = job.shared
         model = self.models[shared.model.id]
-        generations = [Generation(self, model, s, i, shared.stop) for i, s in enumerate(streams)]
+        marked = isinstance(job, ChatJob) and job.tools.parses
+        generations = [
+            Generation(self, model, s, i, shared.stop, marked) for i, s in enumerate(streams)
+        ]
         return answer_id, job, generations
 
     async def _json_body(self) -> object:
@@ -685,7 +712,9 @@ class FencepostApp:
         model = self.models.get(name)
         if model is None:
             return None
-        return ModelInfo(model.id, model.max_context, model.vocab_size, model.constrains)
+        return ModelInfo(
+            model.id, model.max_context, model.vocab_size, model.constrains, model.call_syntax
+        )
 
     def _tokenize_chat(
         self, model_id: str, messages: Sequence[ChatMessage], tools: tuple[Tool, ...]

@@ -7,15 +7,18 @@ calls may come at once. Each function's `parameters` schema is compiled by
 llguidance at request time, so a schema the constrained decoder cannot
 enforce is a 400 here, never a failure inside a worker.
 
-The call syntax is the Hermes/Qwen convention, one call per block:
+How a call is written depends on the model family (callsyntax.py chooses one
+of three syntaxes per model). What they share lives here: function_rules, the
+llguidance rules (Lark embedding each function's schema with %json) of one
+call's JSON object, `{"name": <the function>, <key>: <its arguments>}` in
+JSON_LAYOUT, so a required call can only be a call that parses and whose
+arguments match the schema; and call_grammar, the whole grammar of the
+default syntax, the Hermes/Qwen convention, one call per block:
 
     <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
 
-call_grammar builds the llguidance grammar (Lark embedding each function's
-schema with %json) that admits exactly such blocks, for `required` and a named
-function: the decoder can then only produce a call that parses and whose
-arguments match the schema. read_tool_calls reads the `tool_calls` of an
-assistant message in the history. Pure: no IO, no randomness.
+read_tool_calls reads the `tool_calls` of an assistant message in the
+history. Pure: no IO, no randomness.
 """
 
 from __future__ import annotations
@@ -198,29 +201,40 @@ def _schema_error(schema: dict[str, Any]) -> str:
 
 
 def call_grammar(setup: ToolSetup) -> str:
-    """The llguidance grammar of the answer when a call is required: one call of a
-    callable function (one or more when the choice is `required` and parallel calls
-    are allowed). Calls follow each other with nothing between them: with a newline
-    allowed there, the default model at temperature 0 wrote the same call again and
-    again until max_tokens; without it, end-of-sequence wins after the call."""
-    functions = setup.callable
-    assert functions, "a grammar needs at least one function"
-    rules = [f"f{i}: %json {json.dumps(_call_schema(t))}" for i, t in enumerate(functions)]
+    """The llguidance grammar of the answer when a call is required, in the Hermes
+    syntax: one call of a callable function (one or more when the choice is `required`
+    and parallel calls are allowed). Calls follow each other with nothing between them:
+    with a newline allowed there, the default model at temperature 0 wrote the same
+    call again and again until max_tokens; without it, end-of-sequence wins after the
+    call."""
     several = setup.mode == "required" and setup.parallel
     lines = [
         "start: call+" if several else "start: call",
         f'call: "{CALL_START}" body "{CALL_END}"',
-        "body: " + " | ".join(f"f{i}" for i in range(len(functions))),
-        *rules,
+        *function_rules(setup),
     ]
     return LLMatcher.grammar_from_lark("\n".join(lines) + "\n")
 
 
-def _call_schema(tool: Tool) -> dict[str, Any]:
+def function_rules(setup: ToolSetup, arguments_key: str = "arguments") -> list[str]:
+    """The Lark rules of `body`: the JSON object of one call of a callable function,
+    `{"name": <const>, <arguments_key>: <the function's parameters schema>}`."""
+    functions = setup.callable
+    assert functions, "a grammar needs at least one function"
+    return [
+        "body: " + " | ".join(f"f{i}" for i in range(len(functions))),
+        *(
+            f"f{i}: %json {json.dumps(_call_schema(t, arguments_key))}"
+            for i, t in enumerate(functions)
+        ),
+    ]
+
+
+def _call_schema(tool: Tool, arguments_key: str) -> dict[str, Any]:
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
-        "required": ["name", "arguments"],
+        "properties": {"name": {"const": tool.name}, arguments_key: tool.parameters},
+        "required": ["name", arguments_key],
         "additionalProperties": False,
         "x-guidance": JSON_LAYOUT,
     }

@@ -344,7 +344,7 @@ def serving_threads(device_type: str, weights: str) -> int | None:
 def serving_engine(
     loaded: LoadedModel,
     slots: int,
-    max_context: int,
+    max_context: int | None,
     weights: str,
     threads: int | None,
     *,
@@ -354,31 +354,33 @@ def serving_engine(
     attention: str = "auto",
 ) -> tuple[Engine, int | None]:
     """The torch engine for a loaded model as serving runs it, and its CPU threads:
-        `slots` sequences of at most max_context tokens (capped at the model's own) sharing
-        a KV cache of kv_cache_tokens positions (None: the engine's default), decoding as
+        `slots` sequences of at most max_context tokens (None: the model's own; cut to the
+        pool when the pool is smaller) sharing a KV cache of kv_cache_tokens positions
+        (None: sized from the memory the weights leave, logged), decoding as
     `decode` and `attention` say (Engine's arguments). The torch
         threads are set first, so that choosing the weight format measures what serving
         will run; threads=None and the native format chosen: every core (default_threads
         says why torch's formats leave one free)."""
     import torch
 
-    from adapters.engine.engine import DEFAULT_KV_CACHE_TOKENS, Engine
+    from adapters.engine.engine import Engine
     from adapters.engine.model import say
     from core.batching import BatchLimits
 
-    device = next(loaded.model.parameters()).device.type
+    device = loaded.device.type
     chosen_threads = threads
     if threads is None:
         threads = default_threads(device)
     if threads is not None:
         torch.set_num_threads(threads)
-    limits = BatchLimits(max_seqs=slots, max_context=min(max_context, loaded.max_context))
+    context = min(max_context or loaded.max_context, loaded.max_context)
+    limits = BatchLimits(max_seqs=slots, max_context=context)
     engine = Engine(
         loaded,
         limits,
         weights=weights,
         prefix_caching=prefix_caching,
-        kv_cache_tokens=kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS,
+        kv_cache_tokens=kv_cache_tokens,
         decode=decode,
         attention=attention,
     )

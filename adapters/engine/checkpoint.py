@@ -1,0 +1,250 @@
+"""A model's tensors, read one at a time by name: safetensors, PyTorch files, GGUF.
+
+The runner asks for each tensor under its Hugging Face name, converts it to its
+own layout and format, and lets the source go before asking for the next, so
+no second copy of the model is ever alive: transformers gives the config, the
+tokenizer and the chat template, and never builds the model.
+
+- safetensors: one file or shards named by `model.safetensors.index.json`; any
+  float dtype the file holds (bf16, fp16, fp32), read through safetensors' own
+  memory-mapped reader.
+- PyTorch `.bin` files (older checkpoints), sharded or not, loaded memory-mapped
+  with weights only.
+- GGUF: the file's tensors under their GGUF names (`blk.3.attn_q.weight`),
+  mapped to Hugging Face names with gguf's own name table for the file's
+  architecture, dequantized by gguf one tensor at a time; llama-architecture
+  files store q and k rows permuted for llama.cpp's rotary layout and are put
+  back, and Gemma files store norm weights as 1 + w and get w. `quantized(name)`
+  gives a tensor's blocks as shipped, for a format that can run them as they are.
+- In memory: a model built in this process (tests, the device check), by its
+  state dict.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from adapters.engine.errors import ModelError
+
+
+class CheckpointError(ModelError, ValueError):
+    """A checkpoint that cannot be read as the config says it should be."""
+
+
+class Checkpoint(Protocol):
+    source: str
+
+    def has(self, name: str) -> bool: ...
+
+    def tensor(self, name: str) -> torch.Tensor: ...
+
+    def release(self) -> None:
+        """Give back the memory that reading touched and the engine no longer needs
+        (it may read again afterwards, at the cost of touching it anew)."""
+        ...
+
+
+class SafetensorsCheckpoint:
+    def __init__(self, directory: Path) -> None:
+        from safetensors import safe_open
+
+        self.source = str(directory)
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            mapping: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(mapping.values()))
+        else:
+            files = sorted(p.name for p in directory.glob("*.safetensors"))
+            mapping = {}
+        if not files:
+            raise CheckpointError(f"{directory}: no safetensors files")
+        self._open = {name: safe_open(str(directory / name), framework="pt") for name in files}
+        if not mapping:
+            mapping = {key: name for name, handle in self._open.items() for key in handle.keys()}  # type: ignore[no-untyped-call]  # noqa: SIM118
+        self._where = mapping
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise CheckpointError(f"{self.source}: no tensor {name!r}")
+        tensor: torch.Tensor = self._open[self._where[name]].get_tensor(name)  # type: ignore[no-untyped-call]
+        return tensor
+
+    def release(self) -> None:
+        pass  # each tensor read is a copy the engine owns; nothing stays mapped
+
+
+class TorchCheckpoint:
+    """pytorch_model.bin, or its shards: loaded memory-mapped, weights only."""
+
+    def __init__(self, directory: Path) -> None:
+        self.source = str(directory)
+        index = directory / "pytorch_model.bin.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = ["pytorch_model.bin"]
+        self._tensors: dict[str, torch.Tensor] = {}
+        for name in files:
+            loaded = torch.load(directory / name, map_location="cpu", mmap=True, weights_only=True)
+            self._tensors.update(loaded)
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self._tensors:
+            raise CheckpointError(f"{self.source}: no tensor {name!r}")
+        return self._tensors[name]
+
+    def release(self) -> None:
+        pass  # torch.load's mapping lives as long as its tensors
+
+
+class StateDictCheckpoint:
+    """A model built in this process, read through its state dict (tied weights appear
+    under both names, as transformers lists them; the family's names decide)."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], source: str = "built in memory") -> None:
+        self.source = source
+        self._tensors = dict(state)
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self._tensors:
+            raise CheckpointError(f"{self.source}: no tensor {name!r}")
+        return self._tensors[name].detach()
+
+    def release(self) -> None:
+        pass  # the model it reads belongs to the caller
+
+
+class GgufCheckpoint:
+    """A GGUF file's tensors under Hugging Face names (see the module's docstring)."""
+
+    def __init__(self, path: Path, config: Any) -> None:
+        import gguf
+
+        self.source = str(path)
+        # The reader is dropped once read: its metadata fields (the vocabulary and
+        # merges, one numpy view per entry) cost ~150 MB for a 49k-token vocabulary.
+        reader = gguf.GGUFReader(str(path))
+        field = reader.fields["general.architecture"]
+        self.architecture = bytes(field.parts[field.data[0]]).decode()
+        arch = {name: enum for enum, name in gguf.MODEL_ARCH_NAMES.items()}.get(self.architecture)
+        if arch is None:
+            raise CheckpointError(f"{path}: GGUF architecture {self.architecture!r} is unknown")
+        self._config = config
+        layers = int(getattr(config, "num_hidden_layers", 0))
+        self._table = gguf.get_tensor_name_map(arch, layers)
+        self._tensors = {tensor.name: tensor for tensor in reader.tensors}
+        self._mapped = reader.data  # the file, mapped read-only
+        del reader
+
+    def _drop_pages(self, offset: int, length: int) -> None:
+        """The file's pages under [offset, offset + length) leave this process's
+        resident set once read (the page cache keeps them), so that reading a file
+        does not add the file's size to the peak."""
+        mapped = getattr(self._mapped, "_mmap", None)
+        if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = offset - offset % mmap.PAGESIZE
+        mapped.madvise(mmap.MADV_DONTNEED, start, offset + length - start)
+
+    def release(self) -> None:
+        """The file's pages that reading brought in go back to the page cache (a
+        read-only mapping: read again, they come from the file as before)."""
+        mapped = getattr(self._mapped, "_mmap", None)
+        if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapped.madvise(mmap.MADV_DONTNEED)
+
+    def _gguf_name(self, name: str) -> str | None:
+        """The file's name for a Hugging Face tensor name, through gguf's own table
+        (Hugging Face module names to GGUF ones, as transformers' loader maps them)."""
+        module, _, suffix = name.rpartition(".")
+        base = self._table.get_name(module)
+        found = None if base is None else f"{base}.{suffix}"
+        return found if found in self._tensors else None
+
+    def has(self, name: str) -> bool:
+        return self._gguf_name(name) is not None
+
+    def quantized(self, name: str) -> tuple[str, Any, tuple[int, ...]]:
+        """(GGML type name, the raw blocks as shipped, logical shape [rows, cols])."""
+        tensor = self._tensors[self._require(name)]
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        return tensor.tensor_type.name, tensor.data, shape
+
+    def _require(self, name: str) -> str:
+        found = self._gguf_name(name)
+        if found is None:
+            raise CheckpointError(f"{self.source}: no tensor for {name!r}")
+        return found
+
+    def tensor(self, name: str) -> torch.Tensor:
+        import gguf
+
+        tensor = self._tensors[self._require(name)]
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        out = torch.empty(shape, dtype=torch.float32)
+        data, kind = tensor.data, tensor.tensor_type
+        if data.ndim == 1:  # a vector: small
+            out.view(-1).numpy()[:] = gguf.dequantize(data, kind).reshape(-1)
+        else:  # rows of blocks, a bounded number at a time (their temporaries)
+            target = out.numpy().reshape(data.shape[0], -1)
+            for first in range(0, data.shape[0], DEQUANTIZE_ROWS):
+                part = data[first : first + DEQUANTIZE_ROWS]
+                target[first : first + DEQUANTIZE_ROWS] = gguf.dequantize(part, kind).reshape(
+                    part.shape[0], -1
+                )
+        self._drop_pages(int(tensor.data_offset), int(tensor.n_bytes))
+        config = self._config
+        if self.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = int(config.num_attention_heads)
+            if ".k_proj." in name:
+                heads = int(getattr(config, "num_key_value_heads", None) or heads)
+            out = _unpermute(out, heads)
+        if self.architecture.startswith("gemma") and name.endswith("norm.weight"):
+            out = out - 1.0
+        return out
+
+
+# Rows dequantized at a time: gguf's dequantizers make several temporaries of their
+# input's size, which for a whole 49k-row head is over a GB.
+DEQUANTIZE_ROWS = 4096
+
+
+def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter interleaves each head's rotary halves; put them back."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:])
+        .swapaxes(2, 1)
+        .reshape(weight.shape)
+    )
+
+
+def open_checkpoint(path: Path, config: Any) -> Checkpoint:
+    """The checkpoint at `path`: a .gguf file, or a directory of safetensors or .bin."""
+    if path.is_file() and path.suffix == ".gguf":
+        return GgufCheckpoint(path, config)
+    if any(path.glob("*.safetensors")):
+        return SafetensorsCheckpoint(path)
+    if (path / "pytorch_model.bin").is_file() or (path / "pytorch_model.bin.index.json").is_file():
+        return TorchCheckpoint(path)
+    raise CheckpointError(f"{path}: no weights (.safetensors, pytorch_model.bin or .gguf)")
+
+
+def first(checkpoint: Checkpoint, names: Iterable[str]) -> str | None:
+    """The first of `names` the checkpoint has."""
+    return next((name for name in names if checkpoint.has(name)), None)

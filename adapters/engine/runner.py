@@ -1,0 +1,748 @@
+"""One batched forward pass for every family, over a paged KV cache.
+
+The model is a ModelSpec (spec.py: what each layer computes, from its family in
+families/) and a checkpoint read tensor by tensor (checkpoint.py); this file
+keeps the weights in the chosen format (weights.py), the KV pool, the rotary
+tables, and runs the layers. One call decodes a batch of sequences that sit at
+different positions. The KV cache is a pool of `num_blocks` blocks of
+`block_size` positions (and one scratch block past them, for the padding rows
+of static_decode.py), one key and one value tensor per layer laid out
+[kv_heads, (num_blocks + 1) * block_size, head_dim]: cache slot block *
+block_size + offset. A sequence's block table (core/blocks.py decides it) says
+which blocks hold its positions in order; it writes each new key and value at
+its position's slot and attends over its own prefix only (and within its
+layer's window), gathered through its table (or read as a view when the table
+is one contiguous run). Nothing is copied when sequences join or leave, and
+blocks holding a shared prefix are read by every sequence that shares it.
+
+A layer, as spec.Layer describes it: an optional RMSNorm, the q/k/v product
+(with biases), optional RMSNorms of q and k (per head, or over the whole
+projection), rotary on the rotated part of each head (the layer's table, or
+none), attention (scaled, windowed, soft-capped as the layer says), the output
+product, an optional norm of the result, the residual add; then the same
+pattern for the gated MLP (SiLU or tanh-GELU). Constant multipliers are folded
+into the weights as they are loaded (`_load`), so none of them costs a step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from adapters.engine.checkpoint import CheckpointError
+from adapters.engine.fused import (
+    fused_problem,
+    kernel_problem,
+    rms_norm,
+    rotate_store,
+    silu_gate,
+    torch_rms_norm,
+    torch_rotate,
+    torch_rotate_store,
+    torch_silu_gate,
+)
+from adapters.engine.spec import Attention, Layer, ModelSpec
+from adapters.engine.weights import (
+    FORMATS,
+    Projection,
+    activation_dtype,
+    output_format,
+    projection,
+)
+
+if TYPE_CHECKING:
+    from adapters.engine.model import LoadedModel
+    from adapters.engine.native import NativeModel
+
+# A prefill attends row by row (row_attention) when its rows read at most this many
+# positions together: each row reads its whole prefix, so the work grows with the
+# square of a chunk's length, where the per-chunk SDPA's does not (a bound by arithmetic:
+# 2^17 positions of the 8B shape are 0.5 GB of keys and values a layer, mostly cached).
+ROW_ATTENTION_POSITIONS = 1 << 17
+# One layer's attention: (q, that layer's key cache, its value cache, the layer's
+# attention settings: window and soft-cap) -> [rows, heads * dim].
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Attention], torch.Tensor]
+DEFAULT_BLOCK_SIZE = 16  # positions per KV block, chosen by measurement (engine.md)
+# On CPU, decode attention gathers at most this many bytes of keys and values at
+# once; more rows are attended in groups, so that what a gather writes is still in
+# cache when the products read it (16 rows x 1000 positions: 15% faster a step).
+CPU_GATHER_BYTES = 8 << 20
+
+
+class LayerWeights(NamedTuple):
+    """One decoder layer's weights, q/k/v and gate/up fused into one matrix each; the
+    norms, biases and q/k norms a layer does not have are None."""
+
+    qkv: Projection
+    o: Projection
+    gate_up: Projection
+    down: Projection
+    pre_attention: torch.Tensor | None = None
+    post_attention: torch.Tensor | None = None
+    pre_mlp: torch.Tensor | None = None
+    post_mlp: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+class Pages(NamedTuple):
+    """Where the rows of one forward pass keep their keys and values in the pool.
+
+    `run` is set when there is one row and its table is one contiguous run of
+    blocks: its cache is then read as a view, with no gather (the usual case
+    for a lone sequence, since fresh blocks are handed out lowest first).
+    """
+
+    tables: torch.Tensor  # [rows, width] block ids; a short row is padded with any block
+    length: int  # positions read: width * block_size (a gather) or the row's length (a run)
+    run: int | None  # first cache slot of a one-row contiguous table
+
+
+class Chunk(NamedTuple):
+    """Part of one sequence's context to prefill: `tokens` at positions start.. of the
+    sequence whose blocks are `table` (the table must cover them)."""
+
+    table: list[int]
+    start: int
+    tokens: torch.Tensor  # [count] token ids
+
+
+def state_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """What the runner keeps its activations, rotary tables and (but for w4a16) caches
+    in: fp32 on a CPU, whose elementwise work is no faster in 16 bits, and the weights'
+    activation dtype on a GPU."""
+    return torch.float32 if device.type == "cpu" else dtype
+
+
+class Runner:
+    """The model's weights in one format (adapters/engine/weights.py), the paged KV
+    pool, and the forward passes.
+
+    Two dtypes: products take and give the format's activation dtype (fp32 for
+    fp32 weights, bf16 otherwise); everything between them (the residual stream,
+    norms, rotary, attention, the KV cache) is the state dtype, fp32 on CPU.
+    A bf16 residual stream lost precision over 30 layers for nothing: the
+    elementwise work is small, and bf16 attention over strided cache slices
+    copied them first (4x slower at one row here). On CUDA both are the model's
+    dtype.
+
+    `layers`, when given, builds only the first that many layers (start-up speed
+    trials measure a few layers and scale by their count). `num_blocks` None: the
+    KV pool and rotary tables wait for `allocate`.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_blocks: int | None,
+        block_size: int,
+        max_context: int,
+        weights: str = "fp32",
+        layers: int | None = None,
+    ) -> None:
+        if weights not in FORMATS:
+            raise ValueError(f"unknown weight format {weights!r}; one of {', '.join(FORMATS)}")
+        spec = loaded.spec
+        if layers is not None:
+            from dataclasses import replace
+
+            spec = replace(spec, layers=spec.layers[:layers])
+        self.spec = spec
+        self.format = weights
+        self.device = loaded.device
+        self.dtype = activation_dtype(weights)
+        self.state_dtype = state_dtype(self.device, self.dtype)
+        self.heads, self.kv_heads, self.head_dim = spec.heads, spec.kv_heads, spec.head_dim
+        self.eps = spec.eps
+        self.vocab_size = spec.vocab
+        self.max_context = max_context
+        self.embed, self.final_norm, self.lm_head, self.layers = _load(
+            loaded, spec, weights, self.state_dtype
+        )
+        loaded.checkpoint.release()
+        return_freed_heap()
+        # Norms, rotary and the SiLU gate as one triton kernel each (fused.py): on CUDA,
+        # once triton has built them and they agree with torch's ops here. Rotary and the
+        # gate only where every layer is the plain kind the kernels compute.
+        hidden = spec.hidden
+        self.fused_problem = fused_problem(self.device, hidden, self.head_dim) or kernel_problem(
+            self.device, self.state_dtype, hidden, self.head_dim
+        )
+        self.fused = self.fused_problem is None
+        features = spec.features()
+        self.fused_rotate = self.fused and not features & {"partial_rotary", "no_rotary"}
+        self.fused_gate = self.fused and "gelu_tanh" not in features
+        # Set by the engine when its decode attention is paged_attention.py's kernel:
+        # prefills that read few enough positions then attend row by row through it.
+        self.row_attention: Any = None
+        self.block_size = block_size
+        self._q_size = self.heads * self.head_dim
+        self._kv_size = self.kv_heads * self.head_dim
+        self._gather_bytes = CPU_GATHER_BYTES if self.device.type == "cpu" else None
+        self._native: NativeModel | None = None
+        # The native format keeps keys and values in fp16 (half the bytes attention
+        # reads, and half the memory); only native.c reads or writes them then.
+        self.cache_dtype = torch.float16 if weights == "w4a16" else self.state_dtype
+        if num_blocks is not None:
+            self.allocate(num_blocks, max_context)
+
+    def token_bytes(self) -> int:
+        """Bytes of KV cache one position takes, every layer's keys and values."""
+        size = torch.empty(0, dtype=self.cache_dtype).element_size()
+        return len(self.layers) * 2 * self._kv_size * size
+
+    def allocate(self, num_blocks: int, max_context: int) -> None:
+        """The KV pool of `num_blocks` blocks and the rotary tables for `max_context`
+        positions (given to the constructor, or once the weights have told how much
+        memory is left: engine.py sizes the pool then)."""
+        self.max_context = max_context
+        self.rotary_tables = [
+            rotary.tables(max_context, self.state_dtype, self.device)
+            for rotary in self.spec.rotaries
+        ]
+        self.num_blocks = num_blocks
+        # [kv_heads, slot, dim] per layer: gathering whole blocks of each row's
+        # table gives [kv_heads, rows, length, dim], ready for the batched products
+        # without a second copy (engine.md compares this with a block-major layout).
+        # One block more than the pool: the scratch block, given to no sequence, where the
+        # padding rows of a fixed-shape decode step write and read (static_decode.py).
+        self.scratch_block = num_blocks
+        slots = (num_blocks + 1) * self.block_size
+        shape = (len(self.layers), self.kv_heads, slots, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
+        self._gathered = [torch.empty(0, device=self.device) for _ in range(2)]  # k, v
+        if self.format == "w4a16":  # a whole decode step in one call (adapters/engine/native.py)
+            from adapters.engine.native import NativeModel
+
+            self._native = NativeModel(self)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step must read (each matrix once)."""
+        total: int = self.lm_head.nbytes + _nbytes(self.final_norm)
+        for layer in self.layers:
+            total += layer.qkv.nbytes + layer.o.nbytes + layer.gate_up.nbytes + layer.down.nbytes
+            total += sum(_nbytes(t) for t in layer[4:] if isinstance(t, torch.Tensor))
+        return total
+
+    def pages(self, tables: list[list[int]], length: int) -> Pages:
+        """The Pages of rows with these block tables, each read up to `length` positions."""
+        width = -(-length // self.block_size)
+        ids = torch.tensor([padded_table(table, width) for table in tables], device=self.device)
+        if len(tables) == 1 and len(tables[0]) >= width and _contiguous(tables[0][:width]):
+            return Pages(ids, length, tables[0][0] * self.block_size)
+        return Pages(ids, width * self.block_size, None)
+
+    @torch.inference_mode()
+    def decode(self, pages: Pages, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """One token for each row (its table in `pages`, position, token) -> logits
+        [rows, vocab]. Each row's table must cover its position."""
+        if self._native is not None:
+            return self._native.forward(tokens, positions, pages.tables)
+        attend = self._paged_attend(pages, positions)
+        return self._forward_rows(self.embed[tokens], positions, pages.tables, attend, None)
+
+    def _paged_attend(self, pages: Pages, positions: torch.Tensor) -> Attend:
+        """The eager decode step's attention: each row over its own prefix through
+        `pages` (a view of a one-row run, else whole blocks gathered, in groups of rows
+        that fit the CPU budget), masked past the row's position and before its
+        layer's window."""
+        rows, length = positions.shape[0], pages.length
+        span = torch.arange(length, device=self.device)
+        groups = self._row_groups(pages, rows)
+        masks: dict[int | None, torch.Tensor] = {}  # by window, built at first use
+
+        def mask_for(window: int | None) -> torch.Tensor:
+            if window not in masks:
+                hidden = span[None, :] > positions[:, None]
+                if window is not None:
+                    hidden |= span[None, :] <= positions[:, None] - window
+                shape = (1, rows, 1, length)
+                zeros = torch.zeros(shape, dtype=self.state_dtype, device=self.device)
+                masks[window] = zeros.masked_fill(hidden.view(shape), float("-inf"))
+            return masks[window]
+
+        def attend(
+            q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: Attention
+        ) -> torch.Tensor:
+            mask, parts = mask_for(layer.window), []
+            for first, group in groups:
+                keys, values = self._read(k_cache, group, 0), self._read(v_cache, group, 1)
+                end = first + group.tables.shape[0]
+                chosen = mask[:, first:end]
+                parts.append(attend_gathered(q[first:end], keys, values, chosen, layer.softcap))
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        return attend
+
+    def forward_static(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        tables: torch.Tensor,
+        attend: Attend,
+    ) -> torch.Tensor:
+        """decode() at fixed shapes, for static_decode.py: every input a tensor of a
+        size fixed per batch size (tables [rows, widest]), no Python value read from
+        the device, attention by `attend` (paged_attention.py). -> logits [rows, vocab]."""
+        return self._forward_rows(self.embed[tokens], positions, tables, attend, None)
+
+    def _forward_rows(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        tables: torch.Tensor,
+        attend: Attend,
+        rows: Sequence[int] | None,
+    ) -> torch.Tensor:
+        """The layers over rows x (embedded tokens), each at its position through its table:
+        every row's key and value written, then attention by `attend` -> logits of `rows`
+        (None: all)."""
+        rotary = self._rotary(positions)
+        writes = self._slots(tables, positions[:, None])[:, 0]
+        for index, (layer, weights) in enumerate(zip(self.spec.layers, self.layers, strict=True)):
+            k_cache, v_cache = self.k_cache[index], self.v_cache[index]
+            q = self._attention_inputs(x, layer, weights, rotary, k_cache, v_cache, writes)
+            out = attend(q, k_cache, v_cache, layer.attention)
+            x = self._attention_output(x, out, layer, weights)
+            x = self._mlp(x, layer, weights)
+        if rows is None:
+            return self._logits(x)
+        if not rows:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        return self._logits(x[torch.tensor(list(rows), device=self.device)])
+
+    def _rotary(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each rotary table's cos and sin at the rows' positions ([rows, its dims])."""
+        return [(cos[positions], sin[positions]) for cos, sin in self.rotary_tables]
+
+    @torch.inference_mode()
+    def prefill(
+        self, table: list[int], start: int, tokens: torch.Tensor, every_position: bool = False
+    ) -> torch.Tensor:
+        """Put a chunk of one sequence's context (positions start.. of the sequence whose
+        blocks are `table`) in the cache -> logits of its last token (or [count, vocab],
+        every position's, to score a text). The one-chunk case of prefill_packed."""
+        count = tokens.shape[0]
+        rows = range(count) if every_position else [count - 1]
+        logits = self.prefill_packed([Chunk(table, start, tokens)], rows)
+        return logits if every_position else logits[0]
+
+    @torch.inference_mode()
+    def prefill_packed(self, chunks: list[Chunk], rows: Sequence[int]) -> torch.Tensor:
+        """Put every chunk in the cache in one forward pass -> logits [len(rows), vocab] of
+        the given rows of the packed tokens (chunk after chunk, in order; no rows, no
+        lm_head: a chunk that does not end its prompt samples nothing).
+
+        The products (qkv, o, the MLP) run once over all the chunks' tokens; attention
+        runs per chunk, its queries over its own sequence's cached prefix and itself
+        (causal, within the layer's window), read through its own table. A loop rather
+        than one masked product over every chunk's keys: that product grows as (tokens x
+        all chunks' keys), and for short chunks the loop's fixed costs are small beside
+        the products (engine.md).
+        """
+        total = sum(chunk.tokens.shape[0] for chunk in chunks)
+        if total == 0:
+            raise ValueError("prefill_packed needs at least one token")
+        if self._native is not None:
+            return self._native_prefill(chunks, rows)
+        if self.row_attention is not None and _reads(chunks) <= ROW_ATTENTION_POSITIONS:
+            return self._prefill_by_rows(chunks, rows, self.row_attention)
+        x = self.embed[torch.cat([chunk.tokens for chunk in chunks])]
+        spans = []
+        for chunk in chunks:
+            count = chunk.tokens.shape[0]
+            end = chunk.start + count
+            pages = self.pages([chunk.table], end)
+            positions = torch.arange(chunk.start, end, device=self.device)
+            writes = self._slots(pages.tables, positions[None, :])[0]
+            span = torch.arange(pages.length, device=self.device)
+            spans.append((count, pages, writes, positions, span))
+        positions = torch.cat(
+            [torch.arange(c.start, c.start + c.tokens.shape[0]) for c in chunks]
+        ).to(self.device)
+        rotary = self._rotary(positions)
+        writes = torch.cat([span[2] for span in spans])
+        masks: dict[tuple[int, int | None], torch.Tensor] = {}  # (chunk, window)
+        for index, (layer, weights) in enumerate(zip(self.spec.layers, self.layers, strict=True)):
+            k_cache, v_cache = self.k_cache[index], self.v_cache[index]
+            q = self._attention_inputs(x, layer, weights, rotary, k_cache, v_cache, writes)
+            parts, first = [], 0
+            for number, (count, pages, _, chunk_positions, span) in enumerate(spans):
+                window = layer.attention.window
+                if (number, window) not in masks:
+                    seen = span[None, :] <= chunk_positions[:, None]
+                    if window is not None:
+                        seen &= span[None, :] > chunk_positions[:, None] - window
+                    masks[number, window] = seen[None, None, :, :]
+                queries = q[first : first + count]
+                mask = masks[number, window]
+                parts.append(self._attend_chunk(queries, k_cache, v_cache, pages, mask, layer))
+                first += count
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)
+            x = self._attention_output(x, out, layer, weights)
+            x = self._mlp(x, layer, weights)
+        if not rows:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        picked = torch.tensor(list(rows), device=self.device)
+        return self._logits(x[picked])
+
+    def _prefill_by_rows(
+        self, chunks: list[Chunk], rows: Sequence[int], attention: Any
+    ) -> torch.Tensor:
+        """prefill_packed with attention row by row: every token of every chunk is a row
+        with its own position and its sequence's table, attended in one call per layer
+        (`attention`, paged_attention.py's kernel, as decode steps run it) instead of
+        one call per chunk."""
+        tokens, positions, tables, longest = self._rows_of(chunks)
+        attend = attention.bind(tables, positions + 1, longest)
+        return self._forward_rows(self.embed[tokens], positions, tables, attend, rows)
+
+    def _native_prefill(self, chunks: list[Chunk], rows: Sequence[int]) -> torch.Tensor:
+        """prefill_packed through the fused native pass: one row per chunk token, at its
+        position, through its chunk's table; the same computation, row by row, as a
+        decode step (native.c), so a prefilled position equals a decoded one exactly."""
+        assert self._native is not None
+        tokens, positions, tables, _ = self._rows_of(chunks)
+        picked = torch.tensor(list(rows), dtype=torch.int32)
+        return self._native.forward(tokens, positions, tables.to(torch.int32), picked)
+
+    def _rows_of(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The chunks' tokens as rows on the runner's device: token ids, positions, each
+        row's table (its chunk's, padded to the widest; the tables go to the device once
+        per chunk and are spread to the rows there) and the longest context they reach."""
+        device = self.device
+        counts = [chunk.tokens.shape[0] for chunk in chunks]
+        longest = max(chunk.start + count for chunk, count in zip(chunks, counts, strict=True))
+        width = -(-longest // self.block_size)
+        per_chunk = torch.tensor([padded_table(c.table, width) for c in chunks], device=device)
+        tables = per_chunk.repeat_interleave(
+            torch.tensor(counts, device=device), dim=0, output_size=sum(counts)
+        )
+        positions = torch.cat(
+            [torch.arange(c.start, c.start + n) for c, n in zip(chunks, counts, strict=True)]
+        )
+        tokens = torch.cat([chunk.tokens for chunk in chunks])
+        return tokens, positions.to(device), tables, longest
+
+    def _attend_chunk(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        pages: Pages,
+        seen: torch.Tensor,
+        layer: Layer,
+    ) -> torch.Tensor:
+        """Attention of one chunk's queries q [count, heads, dim] (already scaled) over its
+        sequence's keys and values where `seen` [1, 1, count, read] allows -> [count,
+        heads * dim]. SDPA, but for soft-capped scores, which it cannot take."""
+        count, read = q.shape[0], pages.length
+        keys, values = self._read(k_cache, pages, 0), self._read(v_cache, pages, 1)
+        keys = keys.reshape(1, self.kv_heads, read, self.head_dim)
+        values = values.reshape(1, self.kv_heads, read, self.head_dim)
+        queries = q.transpose(0, 1)[None]
+        softcap = layer.attention.softcap
+        if softcap is None:
+            attn = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=seen, enable_gqa=True,
+                scale=1.0,  # the query weights carry the attention scale
+            )  # fmt: skip
+        else:
+            group = self.heads // self.kv_heads
+            keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+            scores = torch.tanh(queries @ keys.transpose(-1, -2) / softcap) * softcap
+            scores = scores.masked_fill(~seen, float("-inf"))
+            attn = torch.softmax(scores, dim=-1) @ values
+        return attn[0].transpose(0, 1).reshape(count, self._q_size)
+
+    def _row_groups(self, pages: Pages, rows: int) -> list[tuple[int, Pages]]:
+        """(first row, its Pages) of each group of rows attended together: all rows at
+        once unless their gathered keys and values would exceed the CPU budget."""
+        if pages.run is not None or self._gather_bytes is None:
+            return [(0, pages)]
+        row_bytes = 2 * self.kv_heads * pages.length * self.head_dim * self.k_cache.element_size()
+        size = max(1, self._gather_bytes // row_bytes)
+        if size >= rows:
+            return [(0, pages)]
+        return [
+            (first, pages._replace(tables=pages.tables[first : first + size]))
+            for first in range(0, rows, size)
+        ]
+
+    def _read(self, cache: torch.Tensor, pages: Pages, which: int) -> torch.Tensor:
+        """One layer's keys (which 0) or values (1) of the rows in `pages`: [kv_heads,
+        length, dim] as a view of a one-row run, else whole blocks gathered into a
+        reused buffer, [kv_heads, rows, length, dim]. Each block is block_size * dim
+        contiguous values, so the gather copies runs of kilobytes; the buffer is kept
+        because a fresh tensor of megabytes a layer cost more in page faults on CPU
+        than the copy itself."""
+        if pages.run is not None:
+            return cache[:, pages.run : pages.run + pages.length]
+        rows, width = pages.tables.shape
+        shape = (self.kv_heads, rows * width, self.block_size, self.head_dim)
+        size = shape[0] * shape[1] * shape[2] * shape[3]
+        if self._gathered[which].numel() < size:
+            self._gathered[which] = torch.empty(size, dtype=cache.dtype, device=cache.device)
+        out = self._gathered[which][:size].view(shape)
+        by_block = cache.view(self.kv_heads, -1, self.block_size, self.head_dim)
+        torch.index_select(by_block, 1, pages.tables.flatten(), out=out)
+        return out.view(self.kv_heads, rows, width * self.block_size, self.head_dim)
+
+    def _slots(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Cache slots of `positions` ([rows, n]) through each row's table ([rows, width])."""
+        blocks = tables.gather(1, positions // self.block_size)
+        return blocks * self.block_size + positions % self.block_size
+
+    def _attention_inputs(
+        self,
+        x: torch.Tensor,
+        layer: Layer,
+        weights: LayerWeights,
+        rotary: list[tuple[torch.Tensor, torch.Tensor]],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        writes: torch.Tensor,
+    ) -> torch.Tensor:
+        """The layer's q [rows, heads, dim], normalised and rotated as the layer says;
+        k (the same) and v written to its caches at the rows' slots `writes`."""
+        h = self._norm(x, weights.pre_attention) if weights.pre_attention is not None else x
+        qkv = weights.qkv(h.to(self.dtype)).to(self.state_dtype)
+        if weights.qkv_bias is not None:
+            qkv = qkv + weights.qkv_bias
+        attention = layer.attention
+        if attention.qk_norm is not None:
+            qkv = self._qk_norm(qkv, attention, weights)
+        table = None if attention.rotary is None else rotary[attention.rotary]
+        if table is not None and self.fused_rotate:
+            return rotate_store(qkv, *table, self.heads, k_cache, v_cache, writes)
+        if table is not None and table[0].shape[-1] == self.head_dim:
+            return torch_rotate_store(qkv, *table, self.heads, k_cache, v_cache, writes)
+        return self._partial_rotate_store(qkv, table, k_cache, v_cache, writes)
+
+    def _partial_rotate_store(
+        self,
+        qkv: torch.Tensor,
+        table: tuple[torch.Tensor, torch.Tensor] | None,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        writes: torch.Tensor,
+    ) -> torch.Tensor:
+        """rotate_store for a rotary over the first part of each head only (or none):
+        the rest of q and k passes as it is."""
+        rows, heads, kv_heads, dim = qkv.shape[0], self.heads, self.kv_heads, self.head_dim
+        qk = qkv[:, : (heads + kv_heads) * dim].reshape(rows, heads + kv_heads, dim)
+        if table is not None:
+            cos, sin = table
+            turned = cos.shape[-1]
+            rotated = torch_rotate(qk[..., :turned], cos[:, None, :], sin[:, None, :])
+            qk = torch.cat([rotated, qk[..., turned:]], dim=-1)
+        k_cache[:, writes] = qk[:, heads:].transpose(0, 1)
+        values = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
+        v_cache[:, writes] = values.transpose(0, 1)
+        return qk[:, :heads]
+
+    def _qk_norm(
+        self, qkv: torch.Tensor, attention: Attention, weights: LayerWeights
+    ) -> torch.Tensor:
+        """q and k RMSNorm-ed: each head over head_dim, or each whole projection."""
+        assert weights.q_norm is not None and weights.k_norm is not None
+        rows, q_size, kv_size = qkv.shape[0], self._q_size, self._kv_size
+        q, k, v = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size], qkv[:, q_size + kv_size :]
+        if attention.qk_norm == "head":
+            q = torch_rms_norm(q.reshape(rows, self.heads, -1), weights.q_norm, self.eps)
+            k = torch_rms_norm(k.reshape(rows, self.kv_heads, -1), weights.k_norm, self.eps)
+        else:
+            q = torch_rms_norm(q, weights.q_norm, self.eps)
+            k = torch_rms_norm(k, weights.k_norm, self.eps)
+        return torch.cat([q.reshape(rows, q_size), k.reshape(rows, kv_size), v], dim=-1)
+
+    def _attention_output(
+        self, x: torch.Tensor, attn: torch.Tensor, layer: Layer, weights: LayerWeights
+    ) -> torch.Tensor:
+        out = weights.o(attn.to(self.dtype)).to(self.state_dtype)
+        if weights.o_bias is not None:
+            out = out + weights.o_bias
+        if weights.post_attention is not None:
+            out = self._norm(out, weights.post_attention).to(self.state_dtype)
+        return x + out
+
+    def _mlp(self, x: torch.Tensor, layer: Layer, weights: LayerWeights) -> torch.Tensor:
+        h = self._norm(x, weights.pre_mlp) if weights.pre_mlp is not None else x.to(self.dtype)
+        gate_up = weights.gate_up(h)
+        if weights.gate_up_bias is not None:
+            gate_up = gate_up + weights.gate_up_bias.to(gate_up.dtype)
+        if layer.mlp.activation == "gelu_tanh":
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = F.gelu(gate, approximate="tanh") * up
+        else:
+            hidden = silu_gate(gate_up) if self.fused_gate else torch_silu_gate(gate_up)
+        out = weights.down(hidden).to(self.state_dtype)
+        if weights.down_bias is not None:
+            out = out + weights.down_bias
+        if weights.post_mlp is not None:
+            out = self._norm(out, weights.post_mlp).to(self.state_dtype)
+        return x + out
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return rms_norm(x, weight, self.eps, self.dtype)
+        return torch_rms_norm(x, weight, self.eps, self.dtype)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self._norm(x, self.final_norm)).float()
+        cap = self.spec.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def attend_gathered(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention for one new token per row: q [rows, heads, dim] (already scaled) over
+    keys and values [kv_heads, rows, length, dim] (or [kv_heads, length, dim] for one
+    row), plus `mask` (broadcast to [kv_heads, rows, 1, length]) -> [rows, heads * dim];
+    with `softcap`, scores become tanh(s / softcap) * softcap before the mask.
+
+    Written out rather than through scaled_dot_product_attention: for a single
+    query, torch's CPU flash kernel spent ~0.5 ms per call on fixed costs, 14 of
+    a 23 ms step at 30 layers. Query heads that share a key head are stacked
+    as rows of one product (grouped-query attention without copying keys);
+    the batch runs key head major, the cache's own order.
+    """
+    rows, heads, dim = q.shape
+    kv_heads, length = keys.shape[0], keys.shape[-2]
+    group, batch = heads // kv_heads, rows * kv_heads
+    queries = q.reshape(rows, kv_heads, group, dim).transpose(0, 1).reshape(batch, group, dim)
+    scores = torch.bmm(queries, keys.reshape(batch, length, dim).transpose(1, 2))
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(kv_heads, rows, group, length) + mask
+    weights = torch.softmax(scores, dim=-1).view(batch, group, length)
+    out = torch.bmm(weights, values.reshape(batch, length, dim))
+    return out.view(kv_heads, rows, group * dim).transpose(0, 1).reshape(rows, heads * dim)
+
+
+def padded_table(table: list[int], width: int, fill: int = 0) -> list[int]:
+    """A block table cut or padded with `fill` to `width` entries."""
+    return table[:width] + [fill] * (width - len(table[:width]))
+
+
+def _reads(chunks: list[Chunk]) -> int:
+    """Positions the chunks' tokens read together, each its whole prefix."""
+    return sum(c.tokens.shape[0] * (2 * c.start + c.tokens.shape[0] + 1) // 2 for c in chunks)
+
+
+def _contiguous(table: list[int]) -> bool:
+    return all(block == table[0] + i for i, block in enumerate(table))
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def return_freed_heap() -> None:
+    """Hand glibc's freed heap pages back to the system: loading frees about as much
+    as it keeps (each tensor's fp32 reading and candidates), in pieces the allocator
+    would otherwise hold (~190 MB at a 1.1B shape). No-op off glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.malloc_trim(0)
+
+
+def _load(
+    loaded: LoadedModel, spec: ModelSpec, fmt: str, state: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, Projection, list[LayerWeights]]:
+    """(embedding table, final norm, lm_head, layers) from the checkpoint, tensor by
+    tensor: products in `fmt`, the rest in `state`, each source let go once converted.
+
+    Folded in as they are read: the attention scale into the query rows and bias (or,
+    where q is normalised, into the q norm's weight, since a norm would undo it: exact
+    for power-of-two scales, else one rounding), the residual multiplier into the
+    output and down products, the embedding scale into the embedding table, the
+    logit multiplier into lm_head, and the norm offset (Gemma's 1 + w) into every
+    norm weight. A tied lm_head is the embedding table itself unless one of those
+    scales differs between them.
+    """
+    checkpoint, names, device = loaded.checkpoint, loaded.tensors, loaded.device
+
+    def read(name: str) -> torch.Tensor:
+        return checkpoint.tensor(name).to(device=device, dtype=torch.float32)
+
+    def rows(parts: Sequence[str]) -> torch.Tensor:
+        return torch.cat([read(name) for name in parts]) if len(parts) > 1 else read(parts[0])
+
+    def norm(name: str | None) -> torch.Tensor | None:
+        if name is None:
+            return None
+        return (read(name) + spec.norm_offset).to(state)
+
+    with torch.no_grad():
+        embed = read(names.embed)
+        head_scale = spec.logit_scale
+        if names.lm_head is not None and checkpoint.has(names.lm_head):
+            head = read(names.lm_head) * head_scale if head_scale != 1.0 else read(names.lm_head)
+        elif names.lm_head is not None and not spec.tie_embeddings:
+            raise CheckpointError(f"{checkpoint.source}: no {names.lm_head}, and it is not tied")
+        else:
+            head = embed * head_scale if head_scale != 1.0 else embed
+        lm_head = projection(head, output_format(fmt))
+        del head
+        table = (embed * spec.embed_scale if spec.embed_scale != 1.0 else embed).to(state)
+        del embed
+        final = norm(names.final_norm)
+        assert final is not None
+        layers = []
+        for layer, where in zip(spec.layers, names.layers, strict=False):
+            attention, residual = layer.attention, spec.residual_scale
+            q_size = attention.heads * attention.head_dim
+            qkv = rows(where.qkv)
+            q_norm, k_norm = norm(where.q_norm), norm(where.k_norm)
+            bias = rows(where.qkv_bias).to(state) if where.qkv_bias else None
+            if q_norm is not None:
+                q_norm = q_norm * attention.scale
+            else:  # out of place: a tensor read may be the checkpoint's own (in memory)
+                qkv = torch.cat([qkv[:q_size] * attention.scale, qkv[q_size:]])
+                if bias is not None:
+                    bias = torch.cat([bias[:q_size] * attention.scale, bias[q_size:]])
+            o, down = read(where.o), read(where.down)
+            o_bias = read(where.o_bias).to(state) if where.o_bias else None
+            down_bias = read(where.down_bias).to(state) if where.down_bias else None
+            if residual != 1.0:
+                o, down = o * residual, down * residual
+                o_bias = o_bias * residual if o_bias is not None else None
+                down_bias = down_bias * residual if down_bias is not None else None
+            gate_up_bias = rows(where.gate_up_bias).to(state) if where.gate_up_bias else None
+            layers.append(
+                LayerWeights(
+                    qkv=projection(qkv, fmt),
+                    o=projection(o, fmt),
+                    gate_up=projection(rows(where.gate_up), fmt),
+                    down=projection(down, fmt),
+                    pre_attention=norm(where.pre_attention),
+                    post_attention=norm(where.post_attention),
+                    pre_mlp=norm(where.pre_mlp),
+                    post_mlp=norm(where.post_mlp),
+                    qkv_bias=bias,
+                    o_bias=o_bias,
+                    gate_up_bias=gate_up_bias,
+                    down_bias=down_bias,
+                    q_norm=q_norm,
+                    k_norm=k_norm,
+                )
+            )
+            del qkv, o, down
+    return table, final, lm_head, layers
