@@ -350,7 +350,8 @@ def main(
         f"engine bench: {loaded.name} ({loaded.family}) on {device}, "
         f"{torch.get_num_threads()} torch threads, prompt {len(prompt)} tokens, "
         f"{tokens} new tokens per request, engine weights {weights}, "
-        f"prefix cache {'on' if prefix_caching else 'off'}, KV cache {kv_cache_tokens} tokens "
+        f"prefix cache {'on' if prefix_caching else 'off'}, KV cache "
+        f"{'sized from free memory' if kv_cache_tokens is None else f'{kv_cache_tokens} tokens'} "
         f"in blocks of {block_size}, decode {decode}"
     )
     hf = hf_generate_rate(loaded, prompt, tokens)
