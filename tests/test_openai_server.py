@@ -363,6 +363,12 @@ def test_metrics_count_outcomes_tokens_and_latencies(server: ServerThread) -> No
     _, _, completion = expected("count me", 20)
     post(server, chat_body("count me", max_tokens=20))
     assert metric(server, "fencepost_completion_tokens_total") == before + completion
+    # a refusal of its own: which other tests share this server depends on the order
+    # and on how a parallel run spreads them
+    refused = requests.post(
+        f"{server.base_url}/v1/chat/completions", json={"model": "fake"}, timeout=10
+    )
+    assert refused.status_code == 400
     text = requests.get(f"{server.base_url}/metrics", timeout=10).text
     for name in (
         "fencepost_time_to_first_token_seconds_bucket",
