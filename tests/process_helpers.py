@@ -9,11 +9,13 @@ never assumed from the order they started in.
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import requests
 
@@ -107,3 +109,17 @@ def router_with_workers(
         health.append(worker_health(LogWatcher(processes[-1])))
     wait_for(lambda: healthy_workers(base) == 2, timeout_s=300)
     return base, health
+
+
+def kill_the_serving_worker_after_a_token(
+    chunks: Iterator[Any], processes: Sequence[subprocess.Popen[str]], health: Sequence[str]
+) -> str:
+    """Read a chat stream until the client has text (from there on a loss is a resume),
+    then kill -9 the worker that decodes it (asked of the workers: the router places a
+    stream where it likes, by cache and load), wherever it is in the answer. Workers are
+    processes[1:], in the order of `health`. -> the text read so far."""
+    text = ""
+    while not text:
+        text += next(chunks).choices[0].delta.content or ""
+    processes[1 + serving_worker(health)].send_signal(signal.SIGKILL)
+    return text

@@ -12,7 +12,6 @@ resumes it on the other worker with exactly the undisturbed text.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,9 +30,9 @@ from core.protocol import Assignment, Constraint, Decoded, GenerationRequest, Sa
 from tests import tiny_models
 from tests.http_helpers import ServerThread
 from tests.process_helpers import (
+    kill_the_serving_worker_after_a_token,
     metric,
     router_with_workers,
-    serving_worker,
 )
 from tests.runtime_helpers import kill_all
 
@@ -180,12 +179,7 @@ def test_kill_9_of_the_streaming_worker_resumes_to_the_undisturbed_text(
 
         undisturbed = "".join(c.choices[0].delta.content or "" for c in stream() if c.choices)
         chunks = iter(stream())
-        text = ""
-        while not text:  # the client has a token: from here on a loss is a resume
-            text += next(chunks).choices[0].delta.content or ""
-        # kill the worker that serves the stream (asked of the workers), wherever it is
-        # in the answer; the router resumes the stream on the other
-        processes[1 + serving_worker(health)].send_signal(signal.SIGKILL)
+        text = kill_the_serving_worker_after_a_token(chunks, processes, health)
         for chunk in chunks:
             if chunk.choices:
                 text += chunk.choices[0].delta.content or ""

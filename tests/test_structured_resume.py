@@ -4,15 +4,14 @@ the undisturbed run and is valid JSON (real processes, the default model, 127.0.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 
 import openai
 
 from tests.process_helpers import (
+    kill_the_serving_worker_after_a_token,
     metric,
     router_with_workers,
-    serving_worker,
 )
 from tests.runtime_helpers import kill_all
 
@@ -54,12 +53,7 @@ def test_kill_9_mid_json_schema_stream_resumes_to_the_same_valid_json() -> None:
 
         undisturbed = "".join(c.choices[0].delta.content or "" for c in stream() if c.choices)
         chunks = iter(stream())
-        text = ""
-        while not text:  # the client has a token: from here on a loss is a resume
-            text += next(chunks).choices[0].delta.content or ""
-        # Ask the workers which one decodes the stream (the router places it where it
-        # likes, by cache and load) and kill that one, wherever it is in the answer.
-        processes[1 + serving_worker(health)].send_signal(signal.SIGKILL)
+        text = kill_the_serving_worker_after_a_token(chunks, processes, health)
         finish = None
         for chunk in chunks:
             if chunk.choices:
