@@ -38,7 +38,7 @@ def test_kill_9_mid_json_schema_stream_resumes_to_the_same_valid_json() -> None:
         base, health = router_with_workers(
             processes,
             ["--heartbeat-timeout", "10", "--max-context", "512"],
-            ["--slots", "2", "--max-context", "512"],
+            ["--slots", "2", "--max-context", "512", "--weights", "fp32"],
         )
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
         model = client.models.list().data[0].id

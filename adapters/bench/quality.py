@@ -40,11 +40,22 @@ def step_and_bytes(
     return sorted(times)[len(times) // 2] * 1e3, runner.weight_bytes()
 
 
-def main(model_path: str | None, tokens: int, generate: int, threads: int | None) -> int:
+def main(
+    model_path: str | None,
+    tokens: int,
+    generate: int,
+    threads: int | None,
+    only: tuple[str, ...] | None = None,
+) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
     loaded = load_model(model_path)
     formats = working_formats(loaded.device, loaded.spec)
+    if only is not None:
+        missing = [f for f in only if f not in formats]
+        if missing:
+            print(f"not run: {', '.join(missing)} (no working kernel on this CPU)")
+        formats = [f for f in formats if f == "fp32" or f in only]
     print(
         f"weight formats on {loaded.name}: torch kernels "
         f"{torch.backends.cpu.get_cpu_capability()}, CPU flags {' '.join(cpu_flags())}, "

@@ -264,12 +264,27 @@ def _quality_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=positive, default=2048, help="tokens of text scored")
     parser.add_argument("--generate", type=positive, default=48, help="greedy tokens a prompt")
     parser.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--formats", type=_format_list, default=None, metavar="F,F",
+        help="only these weight formats (fp32, the reference, always runs; default: every "
+        "format this CPU runs)",
+    )  # fmt: skip
+
+
+def _format_list(text: str) -> tuple[str, ...]:
+    from adapters.engine.weights import FORMATS
+
+    formats = tuple(f.strip() for f in text.split(",") if f.strip())
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats:
+        raise argparse.ArgumentTypeError(f"formats are among {', '.join(FORMATS)}")
+    return formats
 
 
 def _quality(args: argparse.Namespace) -> int:
     from adapters.bench import quality
 
-    return quality.main(args.model, args.tokens, args.generate, args.threads)
+    return quality.main(args.model, args.tokens, args.generate, args.threads, args.formats)
 
 
 def _memory_flags(parser: argparse.ArgumentParser) -> None:
