@@ -35,12 +35,14 @@ from adapters.cli import (
     add_decode_arguments,
     add_kv_cache_arguments,
     add_weights_argument,
+    natural,
     positive,
     warn_unused,
 )
 from adapters.cli.worker import listen_address
 from adapters.openai.models import ChatModel, FakeChatModel, ServedModel
 from adapters.openai.server import FencepostApp, HttpLimits
+from adapters.openai.store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, StoreLimits
 from adapters.runtime.controller import Controller
 from adapters.runtime.embedded import run_local_worker
 from adapters.runtime.tcp import serve_workers
@@ -140,6 +142,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--http-body-timeout", type=float, default=30.0, metavar="SECONDS",
         help="a request body must arrive within this, else 408 (default %(default)s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--response-store-max", type=natural, default=DEFAULT_MAX_RESPONSES, metavar="N",
+        help="stored /v1/responses kept in memory for GET and previous_response_id, least "
+        "recently used out first (default %(default)s; 0 stores none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--response-store-mib", type=positive, default=DEFAULT_MAX_BYTES // 2**20,
+        metavar="MIB", help="and at most this many MiB of them, as JSON (default %(default)s)",
+    )  # fmt: skip
     deadlines = _DEADLINES
     parser.add_argument(
         "--first-token-timeout", type=float, default=deadlines.first_token_timeout_s,
@@ -200,7 +211,10 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
         max_resumes=args.max_resumes,
         keep_alive_timeout_s=args.http_keep_alive_timeout,
         read_timeout_s=args.http_read_timeout,
-        limits=HttpLimits(body_timeout_s=args.http_body_timeout),
+        limits=HttpLimits(
+            body_timeout_s=args.http_body_timeout,
+            store=StoreLimits(args.response_store_max, args.response_store_mib * 2**20),
+        ),
         first_token_timeout_s=args.first_token_timeout,
         prefill_timeout_per_token_s=args.prefill_timeout_per_token,
         token_timeout_s=args.token_timeout,

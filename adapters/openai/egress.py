@@ -110,19 +110,35 @@ class ClientOverflow(Exception):
     """The client fell so far behind that its queue passed the hard ceiling."""
 
 
+Frame = bytes | Callable[[], bytes]  # encoded, or encoded when taken (in queue order)
+
+
 @dataclass
 class _Event:
     text: str | None  # a content delta (mergeable), or None for an opaque frame
-    frame: bytes  # the encoded frame (for deltas: encoded when taken)
+    frame: Frame  # the frame (deltas are encoded when taken)
     size: int
     choice: int = 0  # for deltas: the index of the choice the text belongs to
 
 
 class ClientQueue:
-    def __init__(self, limits: ClientLimits, encode_delta: Callable[[str, int], bytes]) -> None:
+    """Frames for one client. A frame given as a callable, and every delta, is encoded
+    when the writer takes it, in queue order: an API whose events carry a running
+    sequence number (the Responses API) numbers them there, merged deltas included.
+    `delta_overhead` is a delta frame's size without its text; by default one empty
+    delta is encoded to measure it."""
+
+    def __init__(
+        self,
+        limits: ClientLimits,
+        encode_delta: Callable[[str, int], bytes],
+        delta_overhead: int | None = None,
+    ) -> None:
         self.limits = limits
         self._encode_delta = encode_delta  # (text, choice index) -> frame
-        self._delta_overhead = len(encode_delta("", 0))
+        if delta_overhead is None:
+            delta_overhead = len(encode_delta("", 0))
+        self._delta_overhead = delta_overhead
         self._events: deque[_Event] = deque()
         self.bytes = 0
         self.congested = False
@@ -147,8 +163,12 @@ class ClientQueue:
             self._append(_Event(text, b"", size, choice))
         self._check_ceiling()
 
-    def put_frame(self, frame: bytes) -> None:
-        self._append(_Event(None, frame, len(frame)))
+    def put_frame(self, frame: Frame, size: int | None = None) -> None:
+        """An opaque frame; a callable one needs its (estimated) `size`."""
+        if size is None:
+            assert isinstance(frame, bytes)
+            size = len(frame)
+        self._append(_Event(None, frame, size))
         self._check_ceiling()
 
     def close(self) -> None:
@@ -166,7 +186,11 @@ class ClientQueue:
         if self.failed is not None:
             raise self.failed
         frames = [
-            e.frame if e.text is None else self._encode_delta(e.text, e.choice)
+            self._encode_delta(e.text, e.choice)
+            if e.text is not None
+            else e.frame
+            if isinstance(e.frame, bytes)
+            else e.frame()
             for e in self._events
         ]
         self._events.clear()

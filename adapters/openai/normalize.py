@@ -144,7 +144,25 @@ def normalize_chat_request(
     tokenize_chat: TokenizeChat,
     request_id: str,
 ) -> ChatJob | OpenAIError:
-    shared = _shared(body, _UNSUPPORTED, resolve_model)
+    def messages() -> list[ChatMessage] | OpenAIError:
+        assert isinstance(body, dict)
+        return _messages(body.get("messages"))
+
+    return chat_job(body, messages, resolve_model, tokenize_chat, request_id, _UNSUPPORTED)
+
+
+def chat_job(
+    body: object,
+    read_messages: Callable[[], list[ChatMessage] | OpenAIError],
+    resolve_model: ResolveModel,
+    tokenize_chat: TokenizeChat,
+    request_id: str,
+    refusals: tuple[Refusal, ...] = (),
+) -> ChatJob | OpenAIError:
+    """A chat job from a chat-shaped body whose history `read_messages` reads (after
+    the other fields are checked): /v1/chat/completions' own, or the one the
+    Responses API's request becomes (responses.py)."""
+    shared = _shared(body, refusals, resolve_model)
     if isinstance(shared, OpenAIError):
         return shared
     assert isinstance(body, dict)
@@ -161,7 +179,7 @@ def normalize_chat_request(
             f"'tool_choice': the model '{shared.model.id}' cannot constrain its output to a call",
             "tool_choice",
         )
-    messages = _messages(body.get("messages"))
+    messages = read_messages()
     if isinstance(messages, OpenAIError):
         return messages
     model = shared.model
