@@ -51,7 +51,7 @@ def test_the_router_loss_drill_leaves_the_surviving_routers_clients_untouched() 
 
 def test_bench_quality_reports_the_formats_asked_for_against_fp32() -> None:
     # Two formats (every format's gate is scored in tests/test_default_model.py).
-    out = fencepost("bench", "quality", "--tokens", "128", "--generate", "6", "--formats", "bf16")
+    out = fencepost("bench", "quality", "--tokens", "64", "--generate", "3", "--formats", "bf16")
     rows = dict(re.findall(r"^\s{2}(fp32|bf16|int8|int4|w4a16)\s+(\S+)", out, re.MULTILINE))
     assert "fp32" in rows and float(rows["fp32"]) > 1.0  # a perplexity
     assert set(rows) == {"fp32", "bf16"} or "not run: bf16" in out

@@ -12,7 +12,7 @@ grammar engine's validation). Tool requests get their own run (a server with
 a context that holds the tools section): valid tools and choices over valid
 histories, and malformed tools, choices, calls and tool messages. The default
 run sends
-FENCEPOST_FUZZ_EXAMPLES (2,000) cases to chat and half as many to completions;
+FENCEPOST_FUZZ_EXAMPLES (1,000) cases to chat and half as many to completions;
 set it higher for a longer run (README).
 """
 
@@ -35,7 +35,7 @@ from adapters.openai.models import FakeChatModel
 from core.fake_model import VOCAB
 from tests.http_helpers import ServerThread, sse_events
 
-EXAMPLES = int(os.environ.get("FENCEPOST_FUZZ_EXAMPLES", "2000"))
+EXAMPLES = int(os.environ.get("FENCEPOST_FUZZ_EXAMPLES", "1000"))
 CONTEXT = 256  # small, so valid requests without max_tokens stay quick
 TOOL_CONTEXT = 2048
 

@@ -235,6 +235,31 @@ def test_a_required_named_tool_choice_is_held_to_a_call(server: ServerThread) ->
     assert none.json()["output"][0]["content"][0]["text"] == "no call"
 
 
+def test_parallel_calls_off_reads_one_call_and_the_settings_are_echoed(
+    server: ServerThread,
+) -> None:
+    second = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    say(server, CALL + second)
+    body = {
+        "model": "fake", "input": "x", "tools": [WEATHER], "temperature": 0.5, "top_p": 0.9,
+        "user": "u-1", "truncation": "disabled", "max_output_tokens": 200,
+    }  # fmt: skip
+    both = post(server, body).json()
+    assert [i["type"] for i in both["output"]] == ["function_call", "function_call"]
+    one = post(server, body | {"parallel_tool_calls": False}).json()
+    assert [i["type"] for i in one["output"]] == ["function_call", "message"]
+    assert one["output"][1]["content"][0]["text"] == second  # the rest stays text
+    assert one["parallel_tool_calls"] is False and both["parallel_tool_calls"] is True
+    echoed = {
+        k: one[k] for k in ("temperature", "top_p", "user", "truncation", "max_output_tokens")
+    }
+    assert echoed == {
+        "temperature": 0.5, "top_p": 0.9, "user": "u-1", "truncation": "disabled",
+        "max_output_tokens": 200,
+    }  # fmt: skip
+    assert one["tools"] == [WEATHER] and one["text"]["format"] == {"type": "text"}
+
+
 # --- structured output ---
 
 
@@ -407,6 +432,11 @@ def test_a_client_that_leaves_cancels_the_generation() -> None:
         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
          "input[0].content[0]"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c",
+                     "output": [{"type": "input_image", "image_url": "x"}]}]},
+         "input[1].output[0]"),
         ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]},
          "input[0].call_id"),
         ({"input": []}, "input"),

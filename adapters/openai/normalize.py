@@ -424,7 +424,7 @@ def _message(message: object, where: str, before: list[ChatMessage]) -> ChatMess
     if raw is None and calls:
         content: str | OpenAIError = ""  # an assistant turn that only calls tools
     else:
-        content = _content(raw, f"{where}.content")
+        content = text_content(raw, f"{where}.content")
     if isinstance(content, OpenAIError):
         return content
     if role != "tool":
@@ -453,7 +453,10 @@ def _open_calls(before: list[ChatMessage]) -> set[str]:
     return set()
 
 
-def _content(value: object, where: str) -> str | OpenAIError:
+def text_content(
+    value: object, where: str, kinds: frozenset[str] = frozenset({"text"})
+) -> str | OpenAIError:
+    """A string, or a list of text parts (of these `type`s) joined."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
@@ -463,7 +466,7 @@ def _content(value: object, where: str) -> str | OpenAIError:
         if not isinstance(part, dict):
             return invalid(f"'{where}[{i}]' must be an object", f"{where}[{i}]")
         kind = part.get("type")
-        if kind != "text":
+        if kind not in kinds:
             what = f"'{kind}' parts are" if isinstance(kind, str) else "this part is"
             return invalid(f"'{where}[{i}]': {what} not supported; only text", f"{where}[{i}]")
         text = part.get("text")

@@ -34,6 +34,7 @@ from adapters.openai.normalize import (
     ResolveModel,
     TokenizeChat,
     chat_job,
+    text_content,
 )
 from adapters.openai.tools import ToolCall, ToolSetup
 from core.protocol import MAX_TOP_LOGPROBS
@@ -44,6 +45,7 @@ MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 # Content part types by who may send them; the input_* media types are refused by name.
 TEXT_PARTS = {"input_text", "output_text", "refusal"}
 MEDIA_PARTS = {"input_image", "input_file", "input_audio"}
+OUTPUT_PARTS = frozenset({"input_text", "output_text"})  # a function call's output
 
 Lookup = Callable[[str], "list[dict[str, Any]] | None"]  # response id -> its conversation
 
@@ -382,7 +384,7 @@ def _item(item: object, where: str) -> dict[str, Any] | OpenAIError:
         if not isinstance(call_id, str) or not call_id:
             where_id = f"{where}.call_id"
             return invalid(f"'{where_id}' must be a non-empty string", where_id)
-        output = _text(item.get("output"), f"{where}.output", {"input_text", "output_text"})
+        output = text_content(item.get("output"), f"{where}.output", OUTPUT_PARTS)
         if isinstance(output, OpenAIError):
             return output
         item_id = item.get("id")
@@ -431,23 +433,6 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any] | OpenAIError:
         return invalid(f"'{where}.content' must be a string or an array of parts", where)
     item_id = item.get("id")
     return _message_item(role, parts, item_id if isinstance(item_id, str) and item_id else None)
-
-
-def _text(value: object, where: str, kinds: set[str]) -> str | OpenAIError:
-    """A function call's output: a string, or text parts joined."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        texts = []
-        for j, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") not in kinds:
-                return invalid(f"'{where}[{j}]': only text parts are supported", f"{where}[{j}]")
-            text = part.get("text")
-            if not isinstance(text, str):
-                return invalid(f"'{where}[{j}].text' must be a string", f"{where}[{j}].text")
-            texts.append(text)
-        return "".join(texts)
-    return invalid(f"'{where}' must be a string or an array of text parts", where)
 
 
 def _messages(
