@@ -473,9 +473,11 @@ def security_problems(objects: list[Manifest]) -> list[str]:
             problems.append(f"{component}: capabilities not dropped")
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
         mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+        read_only = {m["mountPath"] for m in c.get("volumeMounts", []) if m.get("readOnly")}
         for path, name in mounts.items():
-            if "emptyDir" not in volumes.get(name, {}):
-                problems.append(f"{component}: {path} is not an emptyDir")
+            secret = "secret" in volumes.get(name, {}) and path in read_only
+            if "emptyDir" not in volumes.get(name, {}) and not secret:
+                problems.append(f"{component}: {path} is not an emptyDir or a read-only Secret")
         writable = {"/tmp"} | ({f"{cache}/quality"} if component == "worker" else set())
         for path in sorted(writable - set(mounts)):
             problems.append(f"{component}: nothing writable at {path}")
@@ -490,6 +492,51 @@ def security_problems(objects: list[Manifest]) -> list[str]:
     return problems
 
 
+# The files each component reads from Secrets: the API keys, and mutual TLS on the links.
+SECRET_FLAGS = {
+    "router": ("api_key_file", "tls_cert", "tls_key", "tls_ca"),
+    "worker": ("tls_cert", "tls_key", "tls_ca"),
+}
+
+
+def secret_problems(objects: list[Manifest]) -> list[str]:
+    """Keys and certificates come from read-only Secret volumes, both ports require
+    them, and nothing that needs the API key is probed or scraped."""
+    from adapters.openai.auth import OPEN_PATHS
+
+    problems: list[str] = []
+    for component, deployment in deployments(objects).items():
+        c = container(deployment)
+        args = _parsed(deployment, problems)
+        if args is None:
+            continue
+        volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"].get("volumes", [])}
+        secret_mounts = [
+            m["mountPath"].rstrip("/") + "/"
+            for m in c.get("volumeMounts", [])
+            if m.get("readOnly") and "secret" in volumes.get(m["name"], {})
+        ]
+        for dest in SECRET_FLAGS[component]:
+            value = getattr(args, dest)
+            files = value if isinstance(value, list) else [value] if value else []
+            flag = "--" + dest.replace("_", "-")
+            if not files:
+                problems.append(f"{component}: no {flag}: the port is open to anyone")
+            for path in files:
+                if not any(str(path).startswith(m) for m in secret_mounts):
+                    problems.append(f"{component}: {flag} {path} is not in a read-only Secret")
+        if component != "router" or not args.api_key_file:
+            continue
+        annotations = deployment["spec"]["template"]["metadata"].get("annotations", {})
+        asked = [(kind, p["httpGet"]["path"]) for kind, p in probes(c).items()]
+        asked.append(("prometheus.io", annotations.get("prometheus.io/path")))
+        open_paths = OPEN_PATHS | ({"/metrics"} if args.metrics_public else set())
+        for kind, path in asked:
+            if path not in open_paths:
+                problems.append(f"router: {kind} asks for {path}, which is behind the API key")
+    return problems
+
+
 MANIFEST_CHECKS: tuple[Check, ...] = (
     schema_problems,
     args_problems,
@@ -498,6 +545,7 @@ MANIFEST_CHECKS: tuple[Check, ...] = (
     drain_problems,
     topology_problems,
     security_problems,
+    secret_problems,
 )
 
 

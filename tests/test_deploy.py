@@ -191,7 +191,7 @@ MUTATIONS: dict[str, tuple[str, checks.Check, Mutation]] = {
     ),
     "no writable quality cache": (
         "cpu", checks.security_problems,
-        lambda o: _container(o, "worker")["volumeMounts"].pop(),
+        lambda o: _container(o, "worker")["volumeMounts"].pop(1),  # /tmp, then the cache
     ),
     "a GPU worker without its GPU limit": (
         "cuda", checks.security_problems,
@@ -200,6 +200,33 @@ MUTATIONS: dict[str, tuple[str, checks.Check, Mutation]] = {
     "no memory limit": (
         "cpu", checks.security_problems,
         lambda o: _container(o, "router")["resources"]["limits"].pop("memory"),
+    ),
+    "a router that takes any client": (
+        "cpu",
+        checks.secret_problems,
+        lambda o: _container(o, "router")["args"].remove(
+            "--api-key-file=/etc/fencepost/api-keys/keys"
+        ),
+    ),
+    "a worker without its CA": (
+        "cuda",
+        checks.secret_problems,
+        lambda o: _container(o, "worker")["args"].remove("--tls-ca=/etc/fencepost/tls/ca.crt"),
+    ),
+    "a TLS key outside its Secret": (
+        "cpu",
+        checks.secret_problems,
+        lambda o: _set_arg(o, "router", "--tls-key", "/tmp/tls.key"),
+    ),
+    "liveness behind the API key": (
+        "cpu",
+        checks.secret_problems,
+        lambda o: _container(o, "router")["livenessProbe"]["httpGet"].update(path="/v1/models"),
+    ),
+    "metrics scraped behind the key": (
+        "cpu",
+        checks.secret_problems,
+        lambda o: _container(o, "router")["args"].remove("--metrics-public"),
     ),
 }  # fmt: skip
 
@@ -233,6 +260,11 @@ COMPLAINTS = {
     "no writable quality cache": "nothing writable at /opt/fencepost/cache/quality",
     "a GPU worker without its GPU limit": "['1', None]",
     "no memory limit": "no cpu and memory limits",
+    "a router that takes any client": "router: no --api-key-file",
+    "a worker without its CA": "worker: no --tls-ca",
+    "a TLS key outside its Secret": "--tls-key /tmp/tls.key is not in a read-only Secret",
+    "liveness behind the API key": "livenessProbe asks for /v1/models, which is behind",
+    "metrics scraped behind the key": "prometheus.io asks for /metrics, which is behind",
 }
 
 

@@ -3,10 +3,11 @@
 The decoder is FakeDecoder with no delay (a token per running assignment per
 step, the loop yields in between) and EOS ignored, so every figure is the cost
 of the runtime itself: worker machine, transport, controller, router, and a
-client task per request reading its RequestStream. Four shapes, side by side
-in one run: in-process workers (one trio loop, no sockets) and TCP workers
-(separate `fencepost worker --fake` processes on 127.0.0.1), 1 and 4 workers.
-Each shape runs `rounds` times; the median is reported.
+client task per request reading its RequestStream. Six shapes, side by side
+in one run: in-process workers (one trio loop, no sockets), TCP workers
+(separate `fencepost worker --fake` processes on 127.0.0.1), and TCP workers
+with mutual TLS on their links (certificates made for the run), 1 and 4
+workers. Each shape runs `rounds` times; the median is reported.
 """
 
 from __future__ import annotations
@@ -14,15 +15,20 @@ from __future__ import annotations
 import logging
 import statistics
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 
 import trio
 
 from adapters.bench.harness import FENCEPOST
+from adapters.cli.certs import make_certificates
 from adapters.runtime.controller import Controller
 from adapters.runtime.embedded import run_local_worker
 from adapters.runtime.tcp import serve_workers
+from adapters.runtime.tls import TlsFiles, server_context
 from adapters.runtime.worker_host import FakeDecoder
 from core.protocol import DeliverError, GenerationRequest
 from core.router import RouterConfig
@@ -31,7 +37,7 @@ from core.worker import WorkerConfig
 
 @dataclass(frozen=True)
 class Shape:
-    transport: str  # "in-process" or "tcp"
+    transport: str  # "in-process", "tcp" or "tcp+tls"
     workers: int
 
 
@@ -68,7 +74,9 @@ async def _drive(controller: Controller, requests: int, tokens: int, tag: str) -
     return delivered / elapsed
 
 
-async def _measure(shape: Shape, requests: int, tokens: int, rounds: int) -> list[float]:
+async def _measure(
+    shape: Shape, requests: int, tokens: int, rounds: int, certs: Path
+) -> list[float]:
     config = RouterConfig(queue_limit=max(256, requests))
     controller = Controller(config)
     slots = -(-requests // shape.workers)
@@ -83,9 +91,15 @@ async def _measure(shape: Shape, requests: int, tokens: int, rounds: int) -> lis
                     decoder = FakeDecoder(ignore_eos=True)
                     await nursery.start(run_local_worker, controller, worker, decoder)
             else:
-                port = await nursery.start(serve_workers, controller, "127.0.0.1", 0)
+                tls = None
+                if shape.transport == "tcp+tls":
+                    tls = server_context(TlsFiles(certs / "router.crt", certs / "router.key",
+                                                  certs / "ca.crt"))  # fmt: skip
+                serving = partial(serve_workers, controller, "127.0.0.1", 0, tls=tls)
+                port = await nursery.start(serving)
                 for w in range(shape.workers):
-                    processes.append(_spawn_worker(port, f"w{w}", slots))
+                    secured = [] if tls is None else _tls_flags(certs, f"w{w}")
+                    processes.append(_spawn_worker(port, f"w{w}", slots, secured))
             await _wait_for_workers(controller, shape.workers, 60)
             for r in range(rounds):
                 rates.append(await _drive(controller, requests, tokens, f"r{r}"))
@@ -98,10 +112,18 @@ async def _measure(shape: Shape, requests: int, tokens: int, rounds: int) -> lis
     return rates
 
 
-def _spawn_worker(port: int, worker_id: str, slots: int) -> subprocess.Popen[bytes]:
+def _tls_flags(certs: Path, worker_id: str) -> list[str]:
+    return ["--tls-cert", str(certs / f"{worker_id}.crt"), "--tls-key",
+            str(certs / f"{worker_id}.key"), "--tls-ca", str(certs / "ca.crt")]  # fmt: skip
+
+
+def _spawn_worker(
+    port: int, worker_id: str, slots: int, flags: list[str]
+) -> subprocess.Popen[bytes]:
     command = [
-        *FENCEPOST, "worker", "--connect", f"127.0.0.1:{port}", "--worker-id", worker_id,
+        *FENCEPOST, "worker", "--connect", f"localhost:{port}", "--worker-id", worker_id,
         "--slots", str(slots), "--fake", "--fake-ignore-eos", "--max-context", str(1 << 20),
+        *flags,
     ]  # fmt: skip
     return subprocess.Popen(command, stderr=subprocess.DEVNULL)
 
@@ -112,14 +134,17 @@ def main(requests: int, tokens: int, rounds: int, workers: list[int]) -> int:
         f"runtime overhead: {requests} concurrent streams x {tokens} tokens, instant fake "
         f"decoder, median of {rounds} rounds"
     )
-    shapes = [Shape(t, w) for t in ("in-process", "tcp") for w in workers]
+    shapes = [Shape(t, w) for t in ("in-process", "tcp", "tcp+tls") for w in workers]
     base: float | None = None
-    for shape in shapes:
-        rates = trio.run(_measure, shape, requests, tokens, rounds)
-        rate = statistics.median(rates)
-        base = base or rate
-        print(
-            f"  {shape.transport:10} {shape.workers} worker(s): {rate:10,.0f} tokens/s "
-            f"({1e6 / rate:5.1f} us/token, {rate / base:4.2f}x the first row)"
-        )
+    with tempfile.TemporaryDirectory() as folder:
+        certs = Path(folder)
+        make_certificates(certs, ["localhost"], [f"w{w}" for w in range(max(workers))], days=1)
+        for shape in shapes:
+            rates = trio.run(_measure, shape, requests, tokens, rounds, certs)
+            rate = statistics.median(rates)
+            base = base or rate
+            print(
+                f"  {shape.transport:10} {shape.workers} worker(s): {rate:10,.0f} tokens/s "
+                f"({1e6 / rate:5.1f} us/token, {rate / base:4.2f}x the first row)"
+            )
     return 0

@@ -12,6 +12,11 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from adapters.runtime.tls import TlsFiles
 
 # adapters/engine/weights.py FORMATS, plus "auto" (a test keeps the two alike; named here
 # so that building the command line does not import torch).
@@ -108,3 +113,29 @@ def warn_unused(
             lines.append(f"ignoring {', '.join(given)}: {why}")
             log.warning("%s", lines[-1])
     return lines
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser, port: str) -> None:
+    """--tls-cert, --tls-key and --tls-ca: mutual TLS on the worker links (serve, worker)."""
+    group = parser.add_argument_group(
+        f"mutual TLS on the worker links ({port}; all three, or none: unauthenticated)"
+    )
+    group.add_argument("--tls-cert", default=None, metavar="PEM", help="this process's certificate")
+    group.add_argument("--tls-key", default=None, metavar="PEM", help="its private key")
+    group.add_argument(
+        "--tls-ca", default=None, metavar="PEM",
+        help="the CA whose certificates the other side must show (`fencepost certs` makes one)",
+    )  # fmt: skip
+
+
+def tls_files(args: argparse.Namespace) -> TlsFiles | None:
+    """The three TLS files given, or None; TlsError when only some are."""
+    from adapters.runtime.tls import TlsError, TlsFiles
+
+    given = {"--tls-cert": args.tls_cert, "--tls-key": args.tls_key, "--tls-ca": args.tls_ca}
+    if not any(given.values()):
+        return None
+    missing = [flag for flag, value in given.items() if not value]
+    if missing:
+        raise TlsError(f"mutual TLS needs --tls-cert, --tls-key and --tls-ca; missing {missing}")
+    return TlsFiles(Path(args.tls_cert), Path(args.tls_key), Path(args.tls_ca))

@@ -18,6 +18,7 @@ from adapters.cli import (
     add_decode_arguments,
     add_kv_cache_arguments,
     add_weights_argument,
+    natural,
     positive,
 )
 from core.protocol import MAX_TOP_LOGPROBS
@@ -299,6 +300,23 @@ def _memory(args: argparse.Namespace) -> int:
     return memory.main(args.model, args.formats.split(","), args.threads)
 
 
+def _attack_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of each phase")
+    parser.add_argument("--http-rate", type=natural, default=1000, help="keyless requests/s")
+    parser.add_argument("--tls-rate", type=natural, default=100, help="failing handshakes/s")
+    parser.add_argument("--clients", type=positive, default=4, help="concurrent keyed clients")
+    parser.add_argument("--tokens", type=positive, default=16, help="tokens per answer")
+    parser.add_argument("--step-ms", type=float, default=2.0, help="the fake's time per token")
+
+
+def _attack(args: argparse.Namespace) -> int:
+    from adapters.bench import attack
+
+    return attack.main(
+        args.seconds, args.http_rate, args.tls_rate, args.clients, args.tokens, args.step_ms
+    )
+
+
 BENCHES = (
     Bench("router", "fenced token deliveries/s through Router.handle", _router_flags, _router),
     Bench(
@@ -314,6 +332,12 @@ BENCHES = (
         _serve,
     ),
     Bench("drill", "kill -9 a worker under load; count outcomes", _drill_flags, _drill),
+    Bench(
+        "attack",
+        "keyed clients' latency while keyless requests and bad TLS handshakes flood in",
+        _attack_flags,
+        _attack,
+    ),
     Bench(
         "chat",
         "multi-turn conversations sharing a system prompt: TTFT by turn, prefix-cache hits",

@@ -13,7 +13,7 @@ import signal
 import sys
 from typing import Protocol
 
-from adapters.cli import bench, cluster, mutants, serve, sim, worker
+from adapters.cli import bench, certs, cluster, mutants, serve, sim, worker
 from adapters.engine.errors import ModelError
 
 
@@ -31,8 +31,13 @@ COMMANDS: tuple[tuple[str, str, Command], ...] = (
     ("serve", "the OpenAI-compatible HTTP server (default: embedded default model)", serve),
     ("worker", "run a worker process that serves routers over TCP", worker),
     ("cluster", "routers, workers and a balancer as processes on this machine", cluster),
+    ("certs", "make a CA and certificates for mutual TLS on the worker links", certs),
     ("bench", "print performance figures", bench),
 )
+
+
+# The commands whose work is printing (traces, reports) and that own no sockets.
+PRINTERS = frozenset({"sim", "mutants"})
 
 
 def parser() -> argparse.ArgumentParser:
@@ -46,11 +51,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # the command itself, not a call from Python (a test, a script)
-        # Die quietly when the reader of a long trace goes away (`| head`); a process
-        # that only calls main() keeps Python's BrokenPipeError for its own sockets.
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     args = parser().parse_args(argv)
+    if argv is None and args.command in PRINTERS:  # the command itself, not a call from Python
+        # Die quietly when the reader of a long trace goes away (`| head`). Only these:
+        # a server or worker with SIGPIPE's default would be killed, silently, by its
+        # first write to a socket whose peer had gone (a client, a refused TLS peer).
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     [module] = [module for name, _, module in COMMANDS if name == args.command]
     try:
         return module.run(args)

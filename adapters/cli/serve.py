@@ -24,6 +24,8 @@ import logging
 import secrets
 import signal
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 from typing import Literal
 
 import trio
@@ -34,18 +36,22 @@ from adapters.cli import (
     DEFAULT_KV_CACHE_TOKENS,
     add_decode_arguments,
     add_kv_cache_arguments,
+    add_tls_arguments,
     add_weights_argument,
     natural,
     positive,
+    tls_files,
     warn_unused,
 )
 from adapters.cli.worker import listen_address
+from adapters.openai.auth import ENV_KEYS, ApiKeyError, ApiKeys, gather_keys
 from adapters.openai.models import ChatModel, FakeChatModel, ServedModel
 from adapters.openai.server import FencepostApp, HttpLimits
 from adapters.openai.store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, StoreLimits
 from adapters.runtime.controller import Controller
 from adapters.runtime.embedded import run_local_worker
 from adapters.runtime.tcp import serve_workers
+from adapters.runtime.tls import TlsError, TlsFiles, server_context
 from adapters.runtime.worker_host import Decoder, EngineDecoder, FakeDecoder, serving_engine
 from core.router import RouterConfig
 from core.worker import WorkerConfig
@@ -87,6 +93,9 @@ class ServeOptions:
     stuck_probe_s: float = _DEADLINES.stuck_probe_s
     routing: Literal["cache-aware", "least-loaded"] = "cache-aware"
     limits: HttpLimits | None = None
+    api_keys: tuple[str, ...] = ()  # none: the OpenAI port is open
+    metrics_public: bool = False
+    tls: TlsFiles | None = None  # mutual TLS on the worker port
     router_id: str | None = None  # a prefix for the drawn id (None: the drawn id alone)
 
 
@@ -106,6 +115,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefix of this router's id (each start adds 8 random hex digits)",
     )  # fmt: skip
     parser.add_argument("--worker-listen", type=listen_address, default=None, metavar="HOST:PORT")
+    keys = parser.add_argument_group("API keys (the OpenAI port; default: open, on loopback)")
+    keys.add_argument(
+        "--api-key", action="append", default=[], metavar="KEY",
+        help="a key clients must send as 'Authorization: Bearer KEY'; repeat for several "
+        f"(also: the {ENV_KEYS} variable, keys separated by commas)",
+    )  # fmt: skip
+    keys.add_argument(
+        "--api-key-file", action="append", default=[], type=Path, metavar="FILE",
+        help="keys one per line (a mounted Secret); # starts a comment line",
+    )  # fmt: skip
+    keys.add_argument(
+        "--metrics-public", action="store_true",
+        help="serve /metrics without a key (default: behind the key once one is set)",
+    )  # fmt: skip
+    add_tls_arguments(parser, "--worker-listen")
     parser.add_argument(
         "--no-local-worker", dest="local_worker", action="store_false",
         help="serve only through remote workers",
@@ -221,6 +245,9 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
         stuck_probe_s=args.stuck_probe,
         routing=args.routing,
         router_id=args.router_id,
+        api_keys=tuple(gather_keys(args.api_key, args.api_key_file)),
+        metrics_public=args.metrics_public,
+        tls=tls_files(args),
     )
 
 
@@ -240,16 +267,47 @@ def unused_flag_rules(args: argparse.Namespace) -> list[tuple[bool, tuple[str, .
             "with --no-local-worker this process decodes nothing (each worker's own flags decide)",
         ),
         (not args.fake and local, _FAKE_FLAGS, "they shape the fake decoder (--fake only)"),
+        (
+            args.worker_listen is None,
+            ("--tls-cert", "--tls-key", "--tls-ca"),
+            "they secure the worker port (--worker-listen)",
+        ),
     ]
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     warn_unused(args, add_arguments, unused_flag_rules(args), log)
-    options = options_from(args)
+    try:
+        options = options_from(args)
+        if options.tls is not None:
+            server_context(options.tls)  # unreadable or mismatched files: said now
+    except (ApiKeyError, TlsError) as error:
+        log.error("%s", error)
+        return 2
     model, decoder = build_model(options)
     trio.run(serve_until_signalled, options, model, decoder)
     return 0
+
+
+def _say_who_may_enter(options: ServeOptions, keys: ApiKeys, port: int) -> None:
+    if keys.open:
+        log.warning(
+            "the OpenAI port is open: no API key is set (--api-key, --api-key-file, %s); "
+            "anyone who reaches %s:%s is served",
+            ENV_KEYS, options.host, port,
+        )  # fmt: skip
+    else:
+        shown = "public" if keys.metrics_public else "behind the key"
+        log.info("the OpenAI port needs an API key (%d configured); /metrics %s", len(keys), shown)
+    if options.worker_listen is not None:
+        if options.tls is None:
+            log.warning(
+                "the worker port is unauthenticated: any process that reaches it can register "
+                "as a worker (--tls-cert, --tls-key, --tls-ca for mutual TLS)"
+            )
+        else:
+            log.info("the worker port needs mutual TLS: certificates of %s", options.tls.ca)
 
 
 def build_model(options: ServeOptions) -> tuple[ServedModel, Decoder | None]:
@@ -346,7 +404,8 @@ async def serve(
         stuck_probe_s=options.stuck_probe_s,
     )
     controller = Controller(router)
-    app = FencepostApp(controller, [model], options.limits)
+    keys = ApiKeys(options.api_keys, metrics_public=options.metrics_public)
+    app = FencepostApp(controller, [model], options.limits, keys)
     config = HypercornConfig()
     config.bind = [f"{options.host}:{options.port}"]
     config.accesslog = None
@@ -362,7 +421,10 @@ async def serve(
         worker_port = None
         if options.worker_listen is not None:
             host, port = options.worker_listen
-            worker_port = await nursery.start(serve_workers, controller, host, port)
+            context = None if options.tls is None else server_context(options.tls)
+            worker_port = await nursery.start(
+                partial(serve_workers, controller, host, port, tls=context)
+            )
         if decoder is not None:
             worker = WorkerConfig("local", slots=options.slots, max_context=model.max_context)
             await nursery.start(run_local_worker, controller, worker, decoder)
@@ -382,6 +444,7 @@ async def serve(
         binds = await nursery.start(run_http)
         http_port = int(binds[0].rsplit(":", 1)[1])
         log.info("serving %s on http://%s:%d/v1", model.id, options.host, http_port)
+        _say_who_may_enter(options, keys, http_port)
         task_status.started(Serving(http_port, worker_port, controller, app))
         await stop.wait()
         http_stop.set()  # stop accepting connections; open responses continue

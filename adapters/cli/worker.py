@@ -26,12 +26,15 @@ from adapters.cli import (
     DEFAULT_KV_CACHE_TOKENS,
     add_decode_arguments,
     add_kv_cache_arguments,
+    add_tls_arguments,
     add_weights_argument,
     positive,
+    tls_files,
     warn_unused,
 )
 from adapters.runtime.health import serve_health
 from adapters.runtime.tcp import RemoteWorker
+from adapters.runtime.tls import TlsError, client_context
 from adapters.runtime.worker_host import Decoder, EngineDecoder, FakeDecoder, serving_engine
 from core.worker import WorkerConfig
 
@@ -89,6 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--fake-hang-after", type=int, default=None, metavar="STEPS",
         help="the fake decoder wedges after STEPS steps while heartbeats go on (for drills)",
     )  # fmt: skip
+    add_tls_arguments(parser, "--connect")
 
 
 def address(text: str, lowest_port: int = 1) -> tuple[str, int]:
@@ -118,6 +122,14 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     warn_unused(args, add_arguments, unused_flag_rules(args), log)
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    try:
+        files = tls_files(args)
+        tls = None if files is None else client_context(files)
+    except TlsError as error:
+        log.error("%s", error)
+        return 2
+    if tls is None:
+        log.warning("the links to routers are unauthenticated (--tls-cert, --tls-key, --tls-ca)")
     decoder: Decoder
     if args.fake:
         decoder = FakeDecoder(
@@ -161,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
         takeover=args.take_over,
         refused_grace_s=args.refused_grace,
         resolve_interval_s=args.resolve_interval,
+        tls=tls,
     )
     trio.run(_serve, worker, args.drain_timeout, args.health_listen)
     if worker.refused is not None:

@@ -21,6 +21,11 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.unauthorized = Counter(
+            "fencepost_unauthorized_requests",
+            "HTTP requests refused with 401 for a missing or unknown API key",
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "fencepost_prompt_tokens", "Prompt tokens of admitted requests", registry=r
         )

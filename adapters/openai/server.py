@@ -1,5 +1,5 @@
 """The HTTP app: /v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health,
-/metrics.
+/live, /metrics.
 
 Served on Quart-trio. The three generating APIs differ only in the JSON they
 read (normalize.py, responses.py) and write (answers.py, response_answer.py);
@@ -48,6 +48,7 @@ from adapters.openai.answers import (
     Choice,
     CompletionAnswer,
 )
+from adapters.openai.auth import UNAUTHORIZED, ApiKeys
 from adapters.openai.egress import ClientLimits, ClientOverflow, ClientQueue
 from adapters.openai.errors import OpenAIError, from_outcome, invalid
 from adapters.openai.metrics import Metrics
@@ -120,8 +121,10 @@ class FencepostApp:
         controller: Controller,
         models: Sequence[ServedModel],
         limits: HttpLimits | None = None,
+        keys: ApiKeys | None = None,
     ) -> None:
         self.controller = controller
+        self.keys = keys if keys is not None else ApiKeys()
         self.models = {m.id: m for m in models}
         self.limits = limits or HttpLimits()
         self.metrics = Metrics(controller)
@@ -149,7 +152,25 @@ class FencepostApp:
             else:
                 await send(message)
 
+        if scope["type"] == "http" and self.keys.needs_key(scope["path"]):
+            headers = dict(scope["headers"])  # lower-cased names, as ASGI gives them
+            if not self.keys.admits(headers.get(b"authorization")):
+                self.metrics.unauthorized.inc()
+                await self._refuse(send_last_shielded)
+                return
         await self.quart(scope, receive, send_last_shielded)
+
+    async def _refuse(self, send: Any) -> None:
+        """401 before Quart: no body read, nothing built, nothing sent on (auth.py)."""
+        body = msgspec.json.encode(UNAUTHORIZED.body())
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"www-authenticate", b'Bearer realm="fencepost"'),
+            (b"connection", b"close"),  # its body, if any, is never read
+        ]
+        await send({"type": "http.response.start", "status": 401, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
     def _build(self) -> QuartTrio:
         app = QuartTrio("fencepost")
@@ -166,6 +187,7 @@ class FencepostApp:
         app.add_url_rule("/v1/models", view_func=self.list_models, methods=["GET"])
         app.add_url_rule("/v1/models/<path:model_id>", view_func=self.get_model, methods=["GET"])
         app.add_url_rule("/health", view_func=self.health, methods=["GET"])
+        app.add_url_rule("/live", view_func=self.live, methods=["GET"])
         app.add_url_rule("/metrics", view_func=self.render_metrics, methods=["GET"])
         app.register_error_handler(HTTPException, self.http_error)
         app.register_error_handler(Exception, self.internal_error)
@@ -202,6 +224,10 @@ class FencepostApp:
 
     def _model(self, model_id: str) -> dict[str, Any]:
         return {"id": model_id, "object": "model", "created": self.created, "owned_by": "fencepost"}
+
+    async def live(self) -> Response:
+        """200 while the event loop answers, workers or not (a liveness probe; open)."""
+        return json_response({"status": "alive"})
 
     async def health(self) -> Response:
         stats = self.controller.statistics().router

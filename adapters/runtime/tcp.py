@@ -37,6 +37,7 @@ import logging
 import math
 import random
 import socket
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -46,6 +47,7 @@ import trio
 
 from adapters.runtime.controller import Controller
 from adapters.runtime.loop import Mailbox
+from adapters.runtime.tls import allows, failure, peer_name
 from adapters.runtime.worker_host import Decoder, WorkerHost
 from core.protocol import (
     AnyWireMessage,
@@ -200,13 +202,16 @@ async def serve_workers(
     port: int,
     limits: TransportLimits | None = None,
     *,
+    tls: ssl.SSLContext | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Accept remote workers on host:port until cancelled; reports the bound port."""
+    """Accept remote workers on host:port until cancelled; reports the bound port.
+    With `tls` (tls.server_context), a connection must pass a mutual TLS handshake
+    and register under an id its certificate allows before anything else."""
     limits = limits or TransportLimits()
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()[1]
-    log.info("accepting workers on %s:%d", host, bound)
+    log.info("accepting workers on %s:%d%s", host, bound, " (mutual TLS)" if tls else "")
     task_status.started(bound)
 
     census = _Census()
@@ -221,7 +226,7 @@ async def serve_workers(
         census.open += 1
         census.unregistered += 1
         try:
-            await _serve_connection(controller, stream, limits, census)
+            await _serve_connection(controller, stream, limits, census, tls)
         finally:
             census.open -= 1
 
@@ -229,13 +234,18 @@ async def serve_workers(
 
 
 class _Census:
-    """Connections open on the worker port, and a rate-limited log of refusals."""
+    """Connections open on the worker port, and rate-limited logs of refusals: of
+    connections over the caps, and of peers that failed to authenticate."""
+
+    PEERS_REMEMBERED = 1024  # refused peers whose counts are kept (oldest forgotten)
 
     def __init__(self) -> None:
         self.open = 0
         self.unregistered = 0
         self.refused = 0
         self._logged_at = -math.inf
+        # (host, kind of refusal) -> [refused, last logged]
+        self.impostors: dict[tuple[str, str], list[float]] = {}
 
     def refusal(self, limits: TransportLimits) -> str | None:
         if self.open >= limits.max_connections:
@@ -251,22 +261,58 @@ class _Census:
             log.warning("refusing worker connections: %s (%d refused so far)", why, self.refused)
             self._logged_at = now
 
+    def note_impostor(self, host: str, kind: str, why: str) -> None:
+        """A peer refused for its credentials: logged once per 10 s per host and kind of
+        refusal (each TLS failure OpenSSL names, the wrong identity, a timeout), with a
+        count."""
+        now = trio.current_time()
+        seen = self.impostors.pop((host, kind), None) or [0, -math.inf]
+        seen[0] += 1
+        if now - seen[1] >= 10.0:
+            log.warning("refused a worker connection from %s: %s (%d so far)", host, why, seen[0])
+            seen[1] = now
+        self.impostors[host, kind] = seen  # most recent last
+        if len(self.impostors) > self.PEERS_REMEMBERED:
+            del self.impostors[next(iter(self.impostors))]
+
 
 async def _serve_connection(
-    controller: Controller, stream: trio.SocketStream, limits: TransportLimits, census: _Census
+    controller: Controller,
+    raw: trio.SocketStream,
+    limits: TransportLimits,
+    census: _Census,
+    tls: ssl.SSLContext | None,
 ) -> None:
     try:
-        peer = "{}:{}".format(*stream.socket.getpeername()[:2])
+        host, port = raw.socket.getpeername()[:2]
+        peer = f"{host}:{port}"
     except OSError:
-        peer = "unknown peer"
-    frames = FrameStream(stream, limits.registration_frame_bytes)
+        host = peer = "unknown peer"
+    stream: trio.abc.Stream = raw
     link: TcpLink | None = None
     reason = "closed"
     registering = True
     try:
+        certified: str | None = None
+        handshaken = tls is None
         first: list[AnyWireMessage] | None = None
+        frames = FrameStream(raw, limits.registration_frame_bytes)
+        # One deadline for the handshake and the Register both.
         with trio.move_on_after(limits.registration_timeout_s):
+            if tls is not None:
+                stream = frames.stream = trio.SSLStream(raw, tls, server_side=True)
+                try:
+                    await stream.do_handshake()
+                except trio.BrokenResourceError as error:
+                    census.note_impostor(host, failure(error), failure(error))
+                    raise LinkClosed(f"refused: TLS handshake failed: {failure(error)}") from None
+                certified, handshaken = peer_name(stream), True
             first = await frames.receive()
+        if not handshaken:
+            census.note_impostor(
+                host, "timeout", "no TLS handshake within the registration timeout"
+            )
+            raise LinkClosed("refused: no TLS handshake within the registration timeout")
         census.unregistered -= 1
         registering = False
         if first is None:
@@ -274,6 +320,13 @@ async def _serve_connection(
         hello = first[0]
         if not isinstance(hello, Register):
             raise LinkClosed(f"opened with {type(hello).__name__}, not a Register")
+        if tls is not None and not allows(certified, hello.worker_id):
+            why = f"its certificate ({certified!r}) does not name worker id {hello.worker_id!r}"
+            census.note_impostor(host, "identity", why)
+            with trio.move_on_after(1.0):
+                router_id = controller.router.config.router_id
+                await stream.send_all(encode_frame(Refused(hello.worker_id, why, router_id)))
+            raise LinkClosed(f"refused as {hello.worker_id}: {why}")
         answer = controller.register(hello.worker_id, hello.takeover)
         if answer.epoch is None:
             with trio.move_on_after(1.0):
@@ -313,8 +366,16 @@ async def _serve_connection(
         if link is not None:
             link.close(reason)
             controller.detach(link, reason)
-        with trio.CancelScope(shield=True):
+        await _close(stream, raw)
+
+
+async def _close(stream: trio.abc.Stream, raw: trio.SocketStream) -> None:
+    """Close a connection, TLS or not; a TLS goodbye the peer does not take within a
+    second is cut short."""
+    with trio.CancelScope(shield=True):
+        with trio.move_on_after(1.0):
             await stream.aclose()
+        await raw.aclose()
 
 
 def _pass_to_controller(
@@ -368,8 +429,10 @@ class RemoteWorker:
         refused_grace_s: float = 10.0,
         resolve_interval_s: float = 5.0,
         resolve: Resolve = resolve_addresses,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.targets = list(dict.fromkeys(targets))
+        self.tls = tls  # tls.client_context: the router must show a certificate for its name
         self.takeover = takeover
         self.refused_grace_s = refused_grace_s
         self.resolve_interval_s = resolve_interval_s
@@ -382,6 +445,7 @@ class RemoteWorker:
         self.links: dict[str, RouterLink] = {}  # router id -> its registered connection
         self.addresses: set[Address] = set()  # what the targets resolve to now
         self._resolved: dict[Address, set[Address]] = {}  # target -> its last good answer
+        self._names: dict[Address, str] = {}  # address -> the name it was found under
         self._dialing: set[Address] = set()  # addresses with a connection task
         self._stop = trio.Event()
         self.connected = trio.Event()  # some router registered us
@@ -433,6 +497,7 @@ class RemoteWorker:
                 shown = ", ".join(f"{h}:{p}" for h, p in sorted(found))
                 log.info("%s:%d is %s", *target, shown or "nothing")
             self._resolved[target] = found
+            self._names.update((address, target[0]) for address in found)
         self.addresses = set().union(*self._resolved.values())
 
     async def _pace(self) -> None:
@@ -473,8 +538,12 @@ class RemoteWorker:
                     backoff_s = await _back_off(backoff_s)
                     continue
                 notice_silence(stream, self.limits.router_silence_s)
+                secured = await self._secure(stream, address)
+                if secured is None:
+                    backoff_s = await _back_off(backoff_s)
+                    continue
                 began = trio.current_time()
-                refusal = await self._session(stream, address)
+                refusal = await self._session(secured, stream, address)
                 now = trio.current_time()
                 if isinstance(refusal, Refused) and refusal.router_id in self.links:
                     first_refusal = None
@@ -509,8 +578,26 @@ class RemoteWorker:
         finally:
             self._dialing.discard(address)
 
+    async def _secure(self, raw: trio.SocketStream, address: Address) -> trio.abc.Stream | None:
+        """The connection as the session uses it: TLS once the handshake passed (None,
+        logged, if it failed), or the plain socket."""
+        if self.tls is None:
+            return raw
+        name = self._names.get(address, address[0])
+        stream = trio.SSLStream(raw, self.tls, server_hostname=name)
+        error: str = "no answer within the registration timeout"
+        with trio.move_on_after(self.limits.registration_timeout_s):
+            try:
+                await stream.do_handshake()
+                return stream
+            except trio.BrokenResourceError as broken:
+                error = failure(broken)
+        log.error("TLS with the router %s at %s:%d failed: %s", name, *address, error)
+        await _close(stream, raw)
+        return None
+
     async def _register(
-        self, stream: trio.SocketStream, frames: FrameStream, address: Address
+        self, stream: trio.abc.Stream, frames: FrameStream, address: Address
     ) -> Registered | Refused | None:
         """Ask the router for an epoch; None if it did not answer sensibly."""
         worker_id = self.config.worker_id
@@ -535,13 +622,14 @@ class RemoteWorker:
             return None
         return answer
 
-    async def _session(self, stream: trio.SocketStream, address: Address) -> Refused | None:
+    async def _session(
+        self, stream: trio.abc.Stream, raw: trio.SocketStream, address: Address
+    ) -> Refused | None:
         """Serve one connection to its end; the refusal if it was refused."""
         frames = FrameStream(stream, self.limits.max_frame_bytes)
         answer = await self._register(stream, frames, address)
         if not isinstance(answer, Registered):
-            with trio.CancelScope(shield=True):
-                await stream.aclose()
+            await _close(stream, raw)
             return answer if isinstance(answer, Refused) else None
         router_id, epoch = answer.router_id, answer.epoch
         link = RouterLink(router_id, epoch, address, self.limits.send_queue_messages)
@@ -574,8 +662,7 @@ class RemoteWorker:
                 "link to router %s at %s:%d ended (%s); epoch %d is over",
                 router_id or "(unnamed)", *address, reason, epoch,
             )  # fmt: skip
-            with trio.CancelScope(shield=True):
-                await stream.aclose()
+            await _close(stream, raw)
         return None
 
     def _from_router(self, router_id: str, messages: list[AnyWireMessage]) -> None:

@@ -1,0 +1,104 @@
+"""Mutual TLS on the worker links: who may register as a worker, and as which one.
+
+Both ends show a certificate signed by the cluster's CA (--tls-ca) and check
+the other's: the worker checks that the router's certificate is valid for the
+name it dialled (its --connect host), the router that the worker's was issued
+by the CA, is in date, and names the worker id the connection then registers.
+A worker's certificate names its id in the subject's common name: exactly
+(`w1`: only worker id w1 may register with it, or take w1 over), or as a
+family when the name ends in `*` (`fencepost-worker-*`: any id that starts
+with `fencepost-worker-`, which is how the pods of one Deployment, named after
+it, share one certificate). The handshake is TLS 1.3: fresh keys per
+connection, so bytes captured from one connection are useless on another.
+
+The router sends nothing before a connection has passed the handshake and
+registered under an id its certificate allows, so an impostor never sees a
+prompt. See docs/design/runtime.md for why mutual TLS is the default for
+deployments.
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+
+class TlsError(ValueError):
+    """TLS files that cannot be used (missing, unreadable, key and certificate apart)."""
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    cert: Path
+    key: Path
+    ca: Path
+
+
+def _load(context: ssl.SSLContext, files: TlsFiles) -> ssl.SSLContext:
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    for path in (files.cert, files.key, files.ca):
+        if not path.is_file():
+            raise TlsError(f"TLS file {path} does not exist")
+    try:
+        context.load_verify_locations(cafile=str(files.ca))
+    except ssl.SSLError as error:
+        raise TlsError(f"{files.ca} is not a PEM CA certificate: {error}") from None
+    try:
+        context.load_cert_chain(str(files.cert), str(files.key))
+    except ssl.SSLError as error:
+        raise TlsError(
+            f"{files.cert} with {files.key}: not a PEM certificate and its key ({error})"
+        ) from None
+    return context
+
+
+def server_context(files: TlsFiles) -> ssl.SSLContext:
+    """The router's: it shows its certificate and requires one from the worker."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.verify_mode = ssl.CERT_REQUIRED
+    return _load(context, files)
+
+
+def client_context(files: TlsFiles) -> ssl.SSLContext:
+    """The worker's: it checks the router's certificate and name, and shows its own."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # hostname checked, certificate required
+    return _load(context, files)
+
+
+def peer_name(stream: trio.SSLStream[trio.SocketStream]) -> str | None:
+    """The common name of the peer's (verified) certificate."""
+    cert = stream.getpeercert()
+    if not cert:
+        return None
+    for entry in cert.get("subject", ()):
+        for key, value in entry:
+            if key == "commonName":
+                return str(value)
+    return None
+
+
+def allows(name: str | None, worker_id: str) -> bool:
+    """Whether a certificate named `name` may register as `worker_id` (see above)."""
+    if not name:
+        return False
+    if name.endswith("*"):
+        prefix = name[:-1]
+        return len(worker_id) > len(prefix) and worker_id.startswith(prefix)
+    return worker_id == name
+
+
+def failure(error: BaseException) -> str:
+    """What a failed handshake says, from the SSL error under trio's BrokenResourceError."""
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, ssl.SSLError):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        return f"certificate refused: {cause.verify_message}"
+    if isinstance(cause, ssl.SSLError):
+        if cause.reason in ("WRONG_VERSION_NUMBER", "HTTP_REQUEST", "UNKNOWN_PROTOCOL"):
+            return f"the peer does not speak TLS ({cause.reason})"
+        return cause.reason or str(cause)
+    return str(error) or type(error).__name__
