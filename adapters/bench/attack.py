@@ -31,20 +31,16 @@ from pathlib import Path
 
 import trio
 
-from adapters.bench.harness import FENCEPOST, Server, free_port, log_folder, percentile
+from adapters.bench.harness import (
+    FENCEPOST,
+    Server,
+    free_port,
+    log_folder,
+    memory_mb,
+    percentile,
+)
 
 KEY = "sk-bench-attack"
-
-
-def _rss_mb(pid: int) -> float:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return float("nan")
-    for line in status.splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def _cpu_s(pid: int) -> float:
@@ -207,7 +203,7 @@ def main(
             )
             base: float | None = None
             for phase in ("idle", "attack", "idle again"):
-                rss_before = _rss_mb(server.process.pid)
+                rss_before = memory_mb(server.process.pid)
                 cpu_before = _cpu_s(server.process.pid)
                 attacker = None
                 if phase == "attack":
@@ -218,7 +214,7 @@ def main(
                         stdout=subprocess.PIPE, text=True,
                     )  # fmt: skip
                 latencies, failed = trio.run(_clients, port, seconds, concurrency, tokens)
-                rss_after = _rss_mb(server.process.pid)
+                rss_after = memory_mb(server.process.pid)
                 busy = (_cpu_s(server.process.pid) - cpu_before) / seconds
                 p50, p90 = percentile(latencies, 50) * 1000, percentile(latencies, 90) * 1000
                 base = base or p50

@@ -57,6 +57,16 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
+def memory_mb(pid: int, field: str = "VmRSS") -> float:
+    """A memory figure of /proc/PID/status (VmRSS, VmHWM) in MB; nan once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return float("nan")
+    match = re.search(rf"^{field}:\s+(\d+) kB", status, re.MULTILINE)
+    return int(match.group(1)) / 1024 if match else float("nan")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -86,12 +96,7 @@ class Server:
         raise RuntimeError(f"{self.name} not ready after {timeout_s}s; see {self.log}")
 
     def peak_rss_mb(self) -> float:
-        try:
-            status = Path(f"/proc/{self.process.pid}/status").read_text()
-        except OSError:
-            return float("nan")
-        match = re.search(r"VmHWM:\s+(\d+) kB", status)
-        return int(match.group(1)) / 1024 if match else float("nan")
+        return memory_mb(self.process.pid, "VmHWM")
 
     def stop(self) -> None:
         if self.process.poll() is None:

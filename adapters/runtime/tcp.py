@@ -304,8 +304,9 @@ async def _serve_connection(
                 try:
                     await stream.do_handshake()
                 except trio.BrokenResourceError as error:
-                    census.note_impostor(host, failure(error), failure(error))
-                    raise LinkClosed(f"refused: TLS handshake failed: {failure(error)}") from None
+                    why = failure(error)
+                    census.note_impostor(host, why, why)
+                    raise LinkClosed(f"refused: TLS handshake failed: {why}") from None
                 certified, handshaken = peer_name(stream), True
             first = await frames.receive()
         if not handshaken:
@@ -323,17 +324,10 @@ async def _serve_connection(
         if tls is not None and not allows(certified, hello.worker_id):
             why = f"its certificate ({certified!r}) does not name worker id {hello.worker_id!r}"
             census.note_impostor(host, "identity", why)
-            with trio.move_on_after(1.0):
-                router_id = controller.router.config.router_id
-                await stream.send_all(encode_frame(Refused(hello.worker_id, why, router_id)))
-            raise LinkClosed(f"refused as {hello.worker_id}: {why}")
+            raise await _refuse(controller, stream, hello.worker_id, why)
         answer = controller.register(hello.worker_id, hello.takeover)
         if answer.epoch is None:
-            with trio.move_on_after(1.0):
-                router_id = controller.router.config.router_id
-                refused = Refused(hello.worker_id, answer.reason, router_id)
-                await stream.send_all(encode_frame(refused))
-            raise LinkClosed(f"refused as {hello.worker_id}: {answer.reason}")
+            raise await _refuse(controller, stream, hello.worker_id, answer.reason)
         link = TcpLink(hello.worker_id, answer.epoch, limits.send_queue_messages)
         if not controller.attach(link):
             raise LinkClosed(f"worker {hello.worker_id} epoch {answer.epoch} is not newer")
@@ -367,6 +361,17 @@ async def _serve_connection(
             link.close(reason)
             controller.detach(link, reason)
         await _close(stream, raw)
+
+
+async def _refuse(
+    controller: Controller, stream: trio.abc.Stream, worker_id: str, reason: str
+) -> LinkClosed:
+    """Tell the peer why its registration is refused (a second at most); the error that
+    ends its connection."""
+    with trio.move_on_after(1.0):
+        router_id = controller.router.config.router_id
+        await stream.send_all(encode_frame(Refused(worker_id, reason, router_id)))
+    return LinkClosed(f"refused as {worker_id}: {reason}")
 
 
 async def _close(stream: trio.abc.Stream, raw: trio.SocketStream) -> None:
@@ -445,7 +450,6 @@ class RemoteWorker:
         self.links: dict[str, RouterLink] = {}  # router id -> its registered connection
         self.addresses: set[Address] = set()  # what the targets resolve to now
         self._resolved: dict[Address, set[Address]] = {}  # target -> its last good answer
-        self._names: dict[Address, str] = {}  # address -> the name it was found under
         self._dialing: set[Address] = set()  # addresses with a connection task
         self._stop = trio.Event()
         self.connected = trio.Event()  # some router registered us
@@ -497,7 +501,6 @@ class RemoteWorker:
                 shown = ", ".join(f"{h}:{p}" for h, p in sorted(found))
                 log.info("%s:%d is %s", *target, shown or "nothing")
             self._resolved[target] = found
-            self._names.update((address, target[0]) for address in found)
         self.addresses = set().union(*self._resolved.values())
 
     async def _pace(self) -> None:
@@ -583,7 +586,9 @@ class RemoteWorker:
         logged, if it failed), or the plain socket."""
         if self.tls is None:
             return raw
-        name = self._names.get(address, address[0])
+        # the name the address was found under: what the router's certificate must be for
+        found = (target for target, got in self._resolved.items() if address in got)
+        name = next(found, address)[0]
         stream = trio.SSLStream(raw, self.tls, server_hostname=name)
         error: str = "no answer within the registration timeout"
         with trio.move_on_after(self.limits.registration_timeout_s):
