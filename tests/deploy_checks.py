@@ -516,6 +516,11 @@ def secret_problems(objects: list[Manifest]) -> list[str]:
             for m in c.get("volumeMounts", [])
             if m.get("readOnly") and "secret" in volumes.get(m["name"], {})
         ]
+        for m in c.get("volumeMounts", []):
+            if "secret" in volumes.get(m["name"], {}) and "subPath" in m:
+                problems.append(  # the kubelet never updates a subPath mount
+                    f"{component}: Secret {m['name']} mounted by subPath: a renewal never arrives"
+                )
         for dest in SECRET_FLAGS[component]:
             value = getattr(args, dest)
             files = value if isinstance(value, list) else [value] if value else []

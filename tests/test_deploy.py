@@ -228,6 +228,11 @@ MUTATIONS: dict[str, tuple[str, checks.Check, Mutation]] = {
         checks.secret_problems,
         lambda o: _container(o, "router")["args"].remove("--metrics-public"),
     ),
+    "certificates frozen by subPath": (
+        "cpu",
+        checks.secret_problems,
+        lambda o: _container(o, "worker")["volumeMounts"][-1].update(subPath="tls.crt"),
+    ),
 }  # fmt: skip
 
 
@@ -265,6 +270,7 @@ COMPLAINTS = {
     "a TLS key outside its Secret": "--tls-key /tmp/tls.key is not in a read-only Secret",
     "liveness behind the API key": "livenessProbe asks for /v1/models, which is behind",
     "metrics scraped behind the key": "prometheus.io asks for /metrics, which is behind",
+    "certificates frozen by subPath": "mounted by subPath: a renewal never arrives",
 }
 
 

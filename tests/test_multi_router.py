@@ -78,10 +78,10 @@ def start_worker(name: str, *router_ports: str) -> tuple[subprocess.Popen[str], 
     return worker, f"http://127.0.0.1:{port}"
 
 
-def chat(base: str, content: str, tokens: int) -> str:
+def chat(base: str, content: str, tokens: int, headers: dict[str, str] | None = None) -> str:
     body = {"model": "fake", "messages": [{"role": "user", "content": content}],
             "max_tokens": tokens, "temperature": 0}  # fmt: skip
-    reply = requests.post(f"{base}/v1/chat/completions", json=body, timeout=30)
+    reply = requests.post(f"{base}/v1/chat/completions", json=body, headers=headers, timeout=30)
     assert reply.status_code == 200, reply.text
     return str(reply.json()["choices"][0]["message"]["content"])
 
@@ -230,9 +230,13 @@ def test_a_name_standing_for_two_routers_links_the_worker_to_both() -> None:
     trio.run(main)
 
 
-def test_the_cluster_command_answers_through_its_balancer_and_stops_cleanly() -> None:
+@pytest.mark.parametrize("secure", [False, True], ids=["open", "keys-and-tls"])
+def test_the_cluster_command_answers_through_its_balancer_and_stops_cleanly(secure: bool) -> None:
+    key = "sk-cluster-test"
     command = [sys.executable, "-m", "adapters.cli", "cluster", "--routers", "2",
                "--workers", "2", "--fake", "--port", "0"]  # fmt: skip
+    command += ["--api-key", key, "--tls"] if secure else []
+    headers = {"Authorization": f"Bearer {key}"} if secure else {}
     cluster = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                text=True)  # fmt: skip
     try:
@@ -243,14 +247,18 @@ def test_the_cluster_command_answers_through_its_balancer_and_stops_cleanly() ->
         base = f"http://127.0.0.1:{port}"
         for i in range(4):
             content = f"through the balancer {i}"
-            assert chat(base, content, 8) == undisturbed(content, 8, eos=True)
+            assert chat(base, content, 8, headers) == undisturbed(content, 8, eos=True)
+        if secure:
+            assert requests.get(f"{base}/v1/models", timeout=10).status_code == 401
         logs = Path(log.find(r"logs in (\S+)").group(1))
         answered = []
         for router in ("r1", "r2"):  # round robin: both routers answered
             text = (logs / f"{router}.log").read_text()
             found = re.search(r"serving fake on (http://127\.0\.0\.1:\d+)/v1", text)
             assert found is not None
-            page = requests.get(f"{found.group(1)}/metrics", timeout=5).text
+            page = requests.get(f"{found.group(1)}/metrics", headers=headers, timeout=5).text
+            if secure:  # the worker port is TLS, and both workers got through it
+                assert "the worker port needs mutual TLS" in text, text
             counts = re.findall(r"^fencepost_requests_total\{.*\} (\S+)$", page, re.MULTILINE)
             answered.append(sum(float(count) for count in counts))
         # two each, unless the balancer skipped a router slow to accept (2 s) on a busy

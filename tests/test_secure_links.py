@@ -22,9 +22,18 @@ from pathlib import Path
 
 import openai
 import pytest
+import trio
+import trio.testing
 
 from adapters.cli.certs import certificate, load_ca, make_certificates
-from adapters.runtime.tls import TlsError, TlsFiles, allows, client_context, server_context
+from adapters.runtime.tls import (
+    Credentials,
+    TlsError,
+    TlsFiles,
+    allows,
+    client_context,
+    server_context,
+)
 from core.protocol import Refused, Register
 from core.wire import FrameReader, encode_frame
 from tests.process_helpers import LogWatcher, fencepost, healthy_workers, wait_for
@@ -49,6 +58,75 @@ def test_unusable_tls_files_are_named(tmp_path: Path) -> None:
         server_context(TlsFiles(made / "router.crt", made / "router.key", tmp_path / "no-ca"))
     with pytest.raises(TlsError, match="not a PEM certificate and its key"):
         client_context(TlsFiles(made / "w1.crt", made / "router.key", made / "ca.crt"))
+
+
+def _handshake(server: ssl.SSLContext, client: ssl.SSLContext) -> bool:
+    """Whether a worker with `client` passes the router's handshake with `server`
+    (over memory streams; the router's side decides, as TLS 1.3 ends the client's first)."""
+    passed = False
+
+    async def main() -> None:
+        nonlocal passed
+        ends = trio.testing.memory_stream_pair()
+        router = trio.SSLStream(ends[0], server, server_side=True)
+        worker = trio.SSLStream(ends[1], client, server_hostname="localhost")
+
+        async def router_side() -> None:
+            nonlocal passed
+            with contextlib.suppress(trio.BrokenResourceError):
+                await router.do_handshake()
+                passed = True
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+
+                async def worker_side() -> None:
+                    try:
+                        await worker.do_handshake()
+                    except trio.BrokenResourceError:  # it refused the router: no link
+                        nursery.cancel_scope.cancel()
+
+                nursery.start_soon(router_side)
+                nursery.start_soon(worker_side)
+
+    trio.run(main)
+    return passed
+
+
+def test_renewed_certificates_are_used_for_new_links_without_a_restart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    old, new, live = tmp_path / "old", tmp_path / "new", tmp_path / "live"
+    make_certificates(old, ["localhost"], ["w1"], days=1)
+    make_certificates(new, ["localhost"], ["w1"], days=1)  # another CA: as after a rotation
+
+    def install(
+        source: Path, names: tuple[str, ...] = ("router.crt", "router.key", "ca.crt")
+    ) -> None:
+        live.mkdir(exist_ok=True)
+        for name in names:  # as a Secret's volume does: a new file swapped in whole
+            (live / f"{name}.tmp").write_bytes((source / name).read_bytes())
+            (live / f"{name}.tmp").replace(live / name)
+
+    def worker(folder: Path) -> ssl.SSLContext:
+        return client_context(TlsFiles(folder / "w1.crt", folder / "w1.key", folder / "ca.crt"))
+
+    install(old)
+    held = Credentials(TlsFiles(live / "router.crt", live / "router.key", live / "ca.crt"),
+                       server_context, check_s=0)  # fmt: skip
+    first = held.context()
+    assert held.context() is first  # nothing changed: the same context
+    assert _handshake(first, worker(old)) and not _handshake(first, worker(new))
+    install(new)
+    renewed = held.context()
+    assert renewed is not first and held.reloads == 1
+    assert _handshake(renewed, worker(new)) and not _handshake(renewed, worker(old))
+    (live / "router.key").write_bytes(b"half written")  # unusable: the renewed ones stay
+    with caplog.at_level("WARNING", logger="fencepost.tls"):
+        assert held.context() is renewed and held.reloads == 1
+    assert "cannot be used" in caplog.text
+    install(new, ("router.key",))  # whole again: loaded
+    assert held.context() is not renewed and held.reloads == 2
 
 
 def _expired(folder: Path, worker_id: str) -> None:

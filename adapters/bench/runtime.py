@@ -28,7 +28,7 @@ from adapters.cli.certs import make_certificates
 from adapters.runtime.controller import Controller
 from adapters.runtime.embedded import run_local_worker
 from adapters.runtime.tcp import serve_workers
-from adapters.runtime.tls import TlsFiles, server_context
+from adapters.runtime.tls import Credentials, TlsFiles, server_context
 from adapters.runtime.worker_host import FakeDecoder
 from core.protocol import DeliverError, GenerationRequest
 from core.router import RouterConfig
@@ -93,8 +93,8 @@ async def _measure(
             else:
                 tls = None
                 if shape.transport == "tcp+tls":
-                    tls = server_context(TlsFiles(certs / "router.crt", certs / "router.key",
-                                                  certs / "ca.crt"))  # fmt: skip
+                    files = TlsFiles(certs / "router.crt", certs / "router.key", certs / "ca.crt")
+                    tls = Credentials(files, server_context)
                 serving = partial(serve_workers, controller, "127.0.0.1", 0, tls=tls)
                 port = await nursery.start(serving)
                 for w in range(shape.workers):

@@ -115,6 +115,23 @@ def warn_unused(
     return lines
 
 
+def add_key_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """--api-key and --api-key-file: who may use the OpenAI port (serve, cluster)."""
+    from adapters.openai.auth import ENV_KEYS
+
+    keys = parser.add_argument_group("API keys (the OpenAI port; default: open, on loopback)")
+    keys.add_argument(
+        "--api-key", action="append", default=[], metavar="KEY",
+        help="a key clients must send as 'Authorization: Bearer KEY'; repeat for several "
+        f"(also: the {ENV_KEYS} variable, keys separated by commas)",
+    )  # fmt: skip
+    keys.add_argument(
+        "--api-key-file", action="append", default=[], type=Path, metavar="FILE",
+        help="keys one per line (a mounted Secret); # starts a comment line",
+    )  # fmt: skip
+    return keys
+
+
 def add_tls_arguments(parser: argparse.ArgumentParser, port: str) -> None:
     """--tls-cert, --tls-key and --tls-ca: mutual TLS on the worker links (serve, worker)."""
     group = parser.add_argument_group(

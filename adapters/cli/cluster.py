@@ -8,6 +8,12 @@ one that refuses the connection (a dead router), and bytes are spliced both
 ways. Logs go to one folder, printed at start. What it shows is the shape of
 issue 19: any router may die and the others keep serving, with every worker.
 
+Secured like a deployment when asked: --api-key / --api-key-file go to every
+router (FENCEPOST_API_KEYS reaches them from the environment anyway), and
+--tls makes a CA and certificates in the log folder (`certs/`, as `fencepost
+certs` would: one for the routers, valid for 127.0.0.1, and one per worker
+id) and links every worker to every router by mutual TLS.
+
 SIGTERM or SIGINT stops it: the balancer takes no new connections, the
 routers drain (their open requests finish), then the workers; whatever is
 still running after its bounded wait is killed, so no process is left behind.
@@ -33,10 +39,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import trio
 
-from adapters.cli import positive
+from adapters.cli import add_key_arguments, positive
 
 log = logging.getLogger("fencepost.cluster")
 
@@ -55,6 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slots", type=positive, default=16, help="concurrent sequences a worker")
     parser.add_argument("--fake-step-ms", type=float, default=0.0)
     parser.add_argument("--logs", type=Path, default=None, help="log folder (default: a new one)")
+    add_key_arguments(parser)  # given to every router
+    parser.add_argument(
+        "--tls", action="store_true",
+        help="mutual TLS on every worker link, with a CA and certificates made in LOGS/certs",
+    )  # fmt: skip
     parser.add_argument(
         "--ready-timeout", type=float, default=600.0, metavar="SECONDS",
         help="give up when the cluster is not serving after this (default %(default)s)",
@@ -87,6 +99,17 @@ def plan(args: argparse.Namespace, logs: Path) -> tuple[list[Child], list[Child]
     base = [sys.executable, "-m", "adapters.cli"]
     model = ["--fake"] if args.fake else ["--model", args.model] if args.model else []
     drain = ["--drain-timeout", str(args.drain_timeout)]
+    keys = [*_repeated("--api-key", args.api_key), *_repeated("--api-key-file", args.api_key_file)]
+    names = [f"w{i}" for i in range(1, args.workers + 1)]
+    tls: dict[str, list[str]] = {name: [] for name in ["router", *names]}
+    if args.tls:
+        from adapters.cli.certs import make_certificates
+
+        folder = logs / "certs"
+        make_certificates(folder, ["127.0.0.1", "localhost"], names, days=30)
+        for name in tls:
+            cert, key, ca = (str(folder / f) for f in (f"{name}.crt", f"{name}.key", "ca.crt"))
+            tls[name] = ["--tls-cert", cert, "--tls-key", key, "--tls-ca", ca]
     routers: list[Child] = []
     worker_ports: list[int] = []
     for i in range(1, args.routers + 1):
@@ -94,17 +117,21 @@ def plan(args: argparse.Namespace, logs: Path) -> tuple[list[Child], list[Child]
         worker_ports.append(listen)
         command = [*base, "serve", *model, "--port", str(http), "--no-local-worker",
                    "--worker-listen", f"127.0.0.1:{listen}", "--router-id", f"r{i}",
-                   *drain]  # fmt: skip
+                   *drain, *keys, *tls["router"]]  # fmt: skip
         routers.append(Child(f"r{i}", command, logs / f"r{i}.log", http_port=http))
     connect = [flag for port in worker_ports for flag in ("--connect", f"127.0.0.1:{port}")]
     fake = ["--fake-step-ms", str(args.fake_step_ms)] if args.fake else []
     workers: list[Child] = []
-    for i in range(1, args.workers + 1):
-        command = [*base, "worker", *model, *fake, *connect, "--worker-id", f"w{i}",
+    for name in names:
+        command = [*base, "worker", *model, *fake, *connect, "--worker-id", name,
                    "--slots", str(args.slots), "--health-listen", f"127.0.0.1:{free_port()}",
-                   *drain]  # fmt: skip
-        workers.append(Child(f"w{i}", command, logs / f"w{i}.log"))
+                   *drain, *tls[name]]  # fmt: skip
+        workers.append(Child(name, command, logs / f"{name}.log"))
     return routers, workers
+
+
+def _repeated(flag: str, values: list[Any]) -> list[str]:
+    return [part for value in values for part in (flag, str(value))]
 
 
 def free_port() -> int:

@@ -25,16 +25,15 @@ import secrets
 import signal
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Literal
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 
 from adapters.cli import (
     DEFAULT_KV_CACHE_TOKENS,
     add_decode_arguments,
+    add_key_arguments,
     add_kv_cache_arguments,
     add_tls_arguments,
     add_weights_argument,
@@ -45,13 +44,14 @@ from adapters.cli import (
 )
 from adapters.cli.worker import listen_address
 from adapters.openai.auth import ENV_KEYS, ApiKeyError, ApiKeys, gather_keys
+from adapters.openai.front import FrontDoor, serve_http
 from adapters.openai.models import ChatModel, FakeChatModel, ServedModel
 from adapters.openai.server import FencepostApp, HttpLimits
 from adapters.openai.store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, StoreLimits
 from adapters.runtime.controller import Controller
 from adapters.runtime.embedded import run_local_worker
 from adapters.runtime.tcp import serve_workers
-from adapters.runtime.tls import TlsError, TlsFiles, server_context
+from adapters.runtime.tls import Credentials, TlsError, TlsFiles, server_context
 from adapters.runtime.worker_host import Decoder, EngineDecoder, FakeDecoder, serving_engine
 from core.router import RouterConfig
 from core.worker import WorkerConfig
@@ -115,16 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefix of this router's id (each start adds 8 random hex digits)",
     )  # fmt: skip
     parser.add_argument("--worker-listen", type=listen_address, default=None, metavar="HOST:PORT")
-    keys = parser.add_argument_group("API keys (the OpenAI port; default: open, on loopback)")
-    keys.add_argument(
-        "--api-key", action="append", default=[], metavar="KEY",
-        help="a key clients must send as 'Authorization: Bearer KEY'; repeat for several "
-        f"(also: the {ENV_KEYS} variable, keys separated by commas)",
-    )  # fmt: skip
-    keys.add_argument(
-        "--api-key-file", action="append", default=[], type=Path, metavar="FILE",
-        help="keys one per line (a mounted Secret); # starts a comment line",
-    )  # fmt: skip
+    keys = add_key_arguments(parser)
     keys.add_argument(
         "--metrics-public", action="store_true",
         help="serve /metrics without a key (default: behind the key once one is set)",
@@ -414,6 +405,7 @@ async def serve(
     # Off by default: Hypercorn's read timeout also cuts a long streamed response
     # whose client sends nothing meanwhile, which is every streaming client.
     config.read_timeout = options.read_timeout_s
+    door = FrontDoor(keys, app.metrics.unauthorized.inc, options.keep_alive_timeout_s)
     http_stop = trio.Event()
 
     async with trio.open_nursery() as nursery:
@@ -421,7 +413,7 @@ async def serve(
         worker_port = None
         if options.worker_listen is not None:
             host, port = options.worker_listen
-            context = None if options.tls is None else server_context(options.tls)
+            context = None if options.tls is None else Credentials(options.tls, server_context)
             worker_port = await nursery.start(
                 partial(serve_workers, controller, host, port, tls=context)
             )
@@ -432,11 +424,8 @@ async def serve(
 
         async def run_http(*, task_status: trio.TaskStatus[list[str]]) -> None:
             try:
-                await hypercorn_serve(
-                    app.asgi,
-                    config,
-                    shutdown_trigger=http_stop.wait,
-                    task_status=task_status,
+                await serve_http(
+                    app.asgi, config, door, shutdown_trigger=http_stop.wait, task_status=task_status
                 )
             finally:
                 http_done.set()

@@ -34,7 +34,7 @@ from adapters.cli import (
 )
 from adapters.runtime.health import serve_health
 from adapters.runtime.tcp import RemoteWorker
-from adapters.runtime.tls import TlsError, client_context
+from adapters.runtime.tls import Credentials, TlsError, client_context
 from adapters.runtime.worker_host import Decoder, EngineDecoder, FakeDecoder, serving_engine
 from core.worker import WorkerConfig
 
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     try:
         files = tls_files(args)
-        tls = None if files is None else client_context(files)
+        tls = None if files is None else Credentials(files, client_context)
     except TlsError as error:
         log.error("%s", error)
         return 2

@@ -23,6 +23,8 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import msgspec
+
 from adapters.openai.errors import OpenAIError
 
 ENV_KEYS = "FENCEPOST_API_KEYS"  # keys separated by commas or whitespace
@@ -35,6 +37,7 @@ UNAUTHORIZED = OpenAIError(
     None,
     "invalid_api_key",
 )
+REFUSAL_BODY = msgspec.json.encode(UNAUTHORIZED.body())  # every 401's body, wherever refused
 
 
 class ApiKeyError(ValueError):

@@ -48,7 +48,7 @@ from adapters.openai.answers import (
     Choice,
     CompletionAnswer,
 )
-from adapters.openai.auth import UNAUTHORIZED, ApiKeys
+from adapters.openai.auth import REFUSAL_BODY, ApiKeys
 from adapters.openai.egress import ClientLimits, ClientOverflow, ClientQueue
 from adapters.openai.errors import OpenAIError, from_outcome, invalid
 from adapters.openai.metrics import Metrics
@@ -162,7 +162,7 @@ class FencepostApp:
 
     async def _refuse(self, send: Any) -> None:
         """401 before Quart: no body read, nothing built, nothing sent on (auth.py)."""
-        body = msgspec.json.encode(UNAUTHORIZED.body())
+        body = REFUSAL_BODY
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),

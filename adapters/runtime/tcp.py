@@ -37,7 +37,6 @@ import logging
 import math
 import random
 import socket
-import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -47,7 +46,7 @@ import trio
 
 from adapters.runtime.controller import Controller
 from adapters.runtime.loop import Mailbox
-from adapters.runtime.tls import allows, failure, peer_name
+from adapters.runtime.tls import Credentials, allows, failure, peer_name
 from adapters.runtime.worker_host import Decoder, WorkerHost
 from core.protocol import (
     AnyWireMessage,
@@ -202,11 +201,11 @@ async def serve_workers(
     port: int,
     limits: TransportLimits | None = None,
     *,
-    tls: ssl.SSLContext | None = None,
+    tls: Credentials | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Accept remote workers on host:port until cancelled; reports the bound port.
-    With `tls` (tls.server_context), a connection must pass a mutual TLS handshake
+    With `tls` (made with tls.server_context), a connection must pass a mutual TLS handshake
     and register under an id its certificate allows before anything else."""
     limits = limits or TransportLimits()
     listeners = await trio.open_tcp_listeners(port, host=host)
@@ -281,7 +280,7 @@ async def _serve_connection(
     raw: trio.SocketStream,
     limits: TransportLimits,
     census: _Census,
-    tls: ssl.SSLContext | None,
+    tls: Credentials | None,
 ) -> None:
     try:
         host, port = raw.socket.getpeername()[:2]
@@ -300,7 +299,7 @@ async def _serve_connection(
         # One deadline for the handshake and the Register both.
         with trio.move_on_after(limits.registration_timeout_s):
             if tls is not None:
-                stream = frames.stream = trio.SSLStream(raw, tls, server_side=True)
+                stream = frames.stream = trio.SSLStream(raw, tls.context(), server_side=True)
                 try:
                     await stream.do_handshake()
                 except trio.BrokenResourceError as error:
@@ -434,10 +433,10 @@ class RemoteWorker:
         refused_grace_s: float = 10.0,
         resolve_interval_s: float = 5.0,
         resolve: Resolve = resolve_addresses,
-        tls: ssl.SSLContext | None = None,
+        tls: Credentials | None = None,
     ) -> None:
         self.targets = list(dict.fromkeys(targets))
-        self.tls = tls  # tls.client_context: the router must show a certificate for its name
+        self.tls = tls  # from tls.client_context: the router must show a certificate for its name
         self.takeover = takeover
         self.refused_grace_s = refused_grace_s
         self.resolve_interval_s = resolve_interval_s
@@ -589,7 +588,7 @@ class RemoteWorker:
         # the name the address was found under: what the router's certificate must be for
         found = (target for target, got in self._resolved.items() if address in got)
         name = next(found, address)[0]
-        stream = trio.SSLStream(raw, self.tls, server_hostname=name)
+        stream = trio.SSLStream(raw, self.tls.context(), server_hostname=name)
         error: str = "no answer within the registration timeout"
         with trio.move_on_after(self.limits.registration_timeout_s):
             try:

@@ -15,15 +15,29 @@ The router sends nothing before a connection has passed the handshake and
 registered under an id its certificate allows, so an impostor never sees a
 prompt. See docs/design/runtime.md for why mutual TLS is the default for
 deployments.
+
+Certificates are renewed while processes run (cert-manager replaces a
+Secret's files well before they expire), so each side holds its files as
+Credentials: before a handshake, at most every few seconds, the three files
+are looked at (size, time, inode: a Secret is swapped by a symbolic link) and
+read again when one changed. New connections then use the new ones; a session
+already open keeps the keys it agreed. Files caught half-written, or otherwise
+unusable, are said in the log once and the ones loaded before stay in use.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import ssl
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import trio
+
+log = logging.getLogger("fencepost.tls")
 
 
 class TlsError(ValueError):
@@ -66,6 +80,73 @@ def client_context(files: TlsFiles) -> ssl.SSLContext:
     """The worker's: it checks the router's certificate and name, and shows its own."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # hostname checked, certificate required
     return _load(context, files)
+
+
+def valid_until(cert: Path) -> str:
+    """The certificate's last valid moment, for the log."""
+    from cryptography import x509
+
+    try:
+        loaded = x509.load_pem_x509_certificate(cert.read_bytes())
+    except (OSError, ValueError):
+        return "unknown"
+    return loaded.not_valid_after_utc.strftime("%Y-%m-%d %H:%M UTC")
+
+
+class Credentials:
+    """A TLS context that follows its files (see above). `make` is server_context
+    or client_context; unusable files at the start raise TlsError."""
+
+    CHECK_S = 5.0  # how often the files are looked at, at most
+
+    def __init__(
+        self,
+        files: TlsFiles,
+        make: Callable[[TlsFiles], ssl.SSLContext],
+        check_s: float = CHECK_S,
+    ) -> None:
+        self.files = files
+        self._make = make
+        self._check_s = check_s
+        self._stamp = self._stamps()
+        self._context = make(files)
+        self._checked = time.monotonic()
+        self.reloads = 0
+        log.info("TLS: %s, valid until %s", files.cert, valid_until(files.cert))
+
+    def _stamps(self) -> tuple[tuple[int, int, int] | None, ...]:
+        stamps: list[tuple[int, int, int] | None] = []
+        for path in (self.files.cert, self.files.key, self.files.ca):
+            try:
+                found = os.stat(path)
+            except OSError:
+                stamps.append(None)
+            else:
+                stamps.append((found.st_mtime_ns, found.st_size, found.st_ino))
+        return tuple(stamps)
+
+    def context(self) -> ssl.SSLContext:
+        """The context for a new connection: the files' current contents, if usable."""
+        now = time.monotonic()
+        if now - self._checked < self._check_s:
+            return self._context
+        self._checked = now
+        stamp = self._stamps()
+        if stamp == self._stamp:
+            return self._context
+        self._stamp = stamp  # a change is tried once; the next change is tried again
+        try:
+            self._context = self._make(self.files)
+        except TlsError as error:
+            log.warning("TLS files changed but cannot be used (%s); the earlier ones stay", error)
+        else:
+            self.reloads += 1
+            log.info(
+                "TLS files changed: %s reloaded, valid until %s",
+                self.files.cert,
+                valid_until(self.files.cert),
+            )
+        return self._context
 
 
 def peer_name(stream: trio.SSLStream[trio.SocketStream]) -> str | None:
