@@ -53,11 +53,11 @@ class RequestSide(Protocol):
     def lost(self, request_id: str, assignment: Assignment, message: str,
              out: list[RouterEffect]) -> None: ...  # fmt: skip
 
-    def listed(self, request_id: str, out: list[RouterEffect]) -> None: ...
+    def listed(self, request_id: str, assignment: Assignment, out: list[RouterEffect]) -> None: ...
 
-    def resend(self, request_id: str, out: list[RouterEffect]) -> None: ...
+    def resend(self, request_id: str, assignment: Assignment, out: list[RouterEffect]) -> None: ...
 
-    def dropped(self, request_id: str, out: list[RouterEffect]) -> None: ...
+    def dropped(self, request_id: str, assignment: Assignment, out: list[RouterEffect]) -> None: ...
 
 
 class Chain:
@@ -274,7 +274,7 @@ class Fleet:
                     self._fenced["orphan"] += 1
                 out.append(SendToWorker(worker.worker_id, Cancel(assignment)))
             else:  # its OfferResult may have been lost or be late
-                requests.listed(worker.holds[assignment].request_id, out)
+                requests.listed(worker.holds[assignment].request_id, assignment, out)
         listed = set(beat.active)
         for assignment, record in list(worker.holds.items()):
             if assignment in listed or record.state in (Hold.OFFERED, Hold.DRAINING_OFFER):
@@ -287,9 +287,26 @@ class Fleet:
             # lost. Ask again; give up once it stays missing.
             assert record.missing_since is not None
             if self.now - record.missing_since < self.config.heartbeat_timeout_s:
-                requests.resend(record.request_id, out)
+                requests.resend(record.request_id, assignment, out)
             else:
-                requests.dropped(record.request_id, out)
+                requests.dropped(record.request_id, assignment, out)
+
+    def current(self, worker_id: str, epoch: int) -> bool:
+        """Whether `epoch` is the live epoch the router knows the worker by (a
+        HandOff from any other is stale: fenced)."""
+        worker = self.workers.get(worker_id)
+        return (
+            worker is not None
+            and worker.epoch == epoch
+            and epoch > worker.gone_epoch
+            and worker.health in (Health.HEALTHY, Health.STUCK)
+        )
+
+    def holds_live(self, worker_id: str, assignment: Assignment) -> bool:
+        """Whether the router counts a live (wanted) hold of this assignment there."""
+        worker = self.workers.get(worker_id)
+        record = worker.holds.get(assignment) if worker is not None else None
+        return record is not None and record.state in LIVE_HOLDS
 
     def full(self, worker_id: str, epoch: int) -> None:
         """The worker declined an offer for want of a slot (other routers' work fills

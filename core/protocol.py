@@ -262,6 +262,21 @@ class Heartbeat(WireMessage, frozen=True):
     cache: CacheReport | None = None
 
 
+class HandOff(WireMessage, frozen=True):
+    """Worker -> router: the worker is draining and gives these of the router's
+    assignments up. The router continues each on another worker from its delivered
+    index and cancels it here only once the continuation is accepted; until then the
+    worker keeps decoding it, so that a continuation that fails falls back to it
+    (core/requests.py, "Handoff"). Fenced like a heartbeat: the epoch must be the one
+    the router knows the worker by. A draining worker sends it again with each
+    heartbeat for what it still holds, so a stream no other worker could take at
+    first is handed off once one can."""
+
+    worker_id: WorkerId
+    epoch: Count
+    assignments: tuple[Assignment, ...]
+
+
 class Register(WireMessage, frozen=True):
     """Worker -> router, the first frame of a connection: the id it serves under.
     The router answers Registered (with the epoch it hands out) or Refused."""
@@ -291,10 +306,10 @@ class Refused(WireMessage, frozen=True):
 
 
 ToWorker = Offer | Cancel | Resend
-FromWorker = OfferResult | Token | TokenRun | Finished | Heartbeat
+FromWorker = OfferResult | Token | TokenRun | Finished | Heartbeat | HandOff
 AnyWireMessage = (
     Offer | Cancel | Resend | OfferResult | Token | TokenRun | Finished | Heartbeat
-    | Register | Registered | Refused
+    | HandOff | Register | Registered | Refused
 )  # fmt: skip
 
 
@@ -478,7 +493,11 @@ class DecoderFailed(Struct, frozen=True):
 
 
 class Drain(Struct, frozen=True):
-    """The worker is shutting down: decline new offers, let active assignments finish."""
+    """The worker is shutting down: decline new offers; with `handoff`, give the
+    active assignments back to their routers (HandOff) to be continued elsewhere,
+    otherwise let them finish here."""
+
+    handoff: bool = True
 
 
 DecoderEvent = Decoded | DecodeDone | DecoderFailed

@@ -14,6 +14,20 @@ request is offered to the best candidate (core/fleet.py), or waits in a
 bounded FIFO queue; a lost attempt is offered again at the queue's head,
 before its first token as a retry, after it as a resume from the delivered
 prefix.
+
+Handoff: a draining worker gives a streaming request's attempt back
+(HandOff). If another worker has a slot, the request goes on there at once,
+from its delivered index, as a new attempt that is active from its offer:
+the fence accepts only that attempt's tokens from then on, so the two
+workers' outputs can never both reach the client. The old attempt is not
+cancelled yet; the draining worker keeps decoding it (its tokens are fenced
+as stale) and its slot stays counted, so that if the continuation fails
+before it is accepted (declined, its offer timed out, its worker lost) the
+request returns to the old attempt and asks it again (Resend) for what it
+produced meanwhile. Once the continuation is accepted, the old attempt is
+cancelled and drains like any unwanted one. A handoff spends no retry or
+resume; when no other worker can take the stream it stays where it is, and
+the next HandOff (the worker repeats it with each heartbeat) tries again.
 """
 
 from __future__ import annotations
@@ -73,6 +87,10 @@ class RequestRecord:
     resend_at: float | None = None  # when the last Resend for it was sent
     progress_by: float | None = None  # the accepted attempt's next token is due by then
     chain: Chain | None = None  # the context's chain keys, for placement (see context())
+    # While a handoff's continuation is offered and not yet accepted: the worker that
+    # handed the stream off and its attempt, still decoding there (see above).
+    handoff: tuple[str, Assignment] | None = None
+    handoffs: int = 0  # continuations started by a draining worker's handoff
 
     def context(self) -> Chain:
         """What the next attempt prefills (prompt, then what the client has)."""
@@ -98,6 +116,8 @@ class Requests:
         self.resends = 0
         self.retries = 0
         self.resumes = 0
+        self.handoffs = 0
+        self.handoffs_back = 0
         self.now = 0.0  # the `now` of the event being handled; never read from a clock
         self._fenced = fenced
 
@@ -152,7 +172,34 @@ class Requests:
             at = index - run.start_index
             self._deliver(req, run.token_ids[at], run.logprobs[at] if run.logprobs else None, out)
 
+    def on_handoff(
+        self, worker_id: str, assignments: tuple[Assignment, ...], out: list[RouterEffect]
+    ) -> None:
+        """A draining worker gives these attempts back: continue each elsewhere (above)."""
+        for assignment in assignments:
+            req = self.records.get(assignment.request_id)
+            if req is None or req.active != assignment or req.worker_id != worker_id:
+                continue  # over, or handed off already: a repeated HandOff is no news
+            if req.phase is not P.STREAMING:
+                continue  # before its first token: handed off once it streams
+            placement = self._candidate(req, exclude=worker_id)
+            if placement is None:
+                continue  # nobody else can take it now: it goes on here
+            self._stop_progress_timer(req, out)
+            req.phase = REQUEST.next(req.phase, E.HANDED_OFF)
+            req.handoff = (worker_id, assignment)
+            req.finish = None
+            req.handoffs += 1
+            self.handoffs += 1
+            self._offer(req, placement, out)
+
     def on_finished(self, worker_id: str, finished: Finished, out: list[RouterEffect]) -> None:
+        req = self.records.get(finished.assignment.request_id)
+        if req is not None and req.handoff == (worker_id, finished.assignment):
+            # The attempt handed off ended there: nothing to go back to any more.
+            req.handoff = None
+            self.fleet.release(worker_id, finished.assignment)
+            return
         req = self._fence(worker_id, finished.assignment)
         if req is None:
             self.fleet.settle_unwanted(worker_id, finished.assignment, released=True, out=out)
@@ -175,6 +222,9 @@ class Requests:
     def on_offer_result(self, worker_id: str, result: OfferResult, out: list[RouterEffect]) -> None:
         if result.accepted:
             self.fleet.taken_after(worker_id, result.assignment, result.seq)
+        req = self.records.get(result.assignment.request_id)
+        if req is not None and req.handoff == (worker_id, result.assignment):
+            return  # a late answer for the attempt handed off, which runs there still
         req = self._fence(worker_id, result.assignment)
         if req is None:
             released = not result.accepted
@@ -305,23 +355,33 @@ class Requests:
     ) -> None:
         """The worker holding this attempt is lost (its hold is already gone)."""
         req = self.records[request_id]
+        if req.active != assignment:  # a handed-off attempt: nothing to go back to now
+            req.handoff = None
+            return
         if req.phase is P.OFFERED:
             out.append(DisarmTimer(OfferTimer(assignment)))
         self._attempt_lost(req, "worker_lost", message, out)
 
-    def listed(self, request_id: str, out: list[RouterEffect]) -> None:
+    def listed(self, request_id: str, assignment: Assignment, out: list[RouterEffect]) -> None:
         """A heartbeat lists the attempt: it runs, whether or not its answer arrived."""
         req = self.records[request_id]
-        if req.phase is P.OFFERED:
+        if req.phase is P.OFFERED and req.active == assignment:
             self._accept(req, out)
 
-    def resend(self, request_id: str, out: list[RouterEffect]) -> None:
+    def resend(self, request_id: str, assignment: Assignment, out: list[RouterEffect]) -> None:
         """The worker no longer lists the attempt: its last output is in flight or lost."""
-        self._ask_resend(self.records[request_id], out)
+        req = self.records[request_id]
+        if req.active != assignment:  # the attempt handed off ended there
+            self._let_go(req)
+            return
+        self._ask_resend(req, out)
 
-    def dropped(self, request_id: str, out: list[RouterEffect]) -> None:
+    def dropped(self, request_id: str, assignment: Assignment, out: list[RouterEffect]) -> None:
         """The attempt stayed missing from the worker's heartbeats: it is lost."""
         req = self.records[request_id]
+        if req.active != assignment:  # the attempt handed off is gone there
+            self._let_go(req)
+            return
         self._release(req, out)
         self._attempt_lost(req, "worker_lost", "worker dropped the assignment", out)
 
@@ -369,7 +429,10 @@ class Requests:
         full: bool = False,
     ) -> None:
         """The active attempt is over (its hold already released): place it again or give
-        up. `full`: the worker had no free slot, which spends no attempt or resume."""
+        up. `full`: the worker had no free slot, which spends no attempt or resume.
+        A handoff's continuation that fails goes back to the attempt handed off."""
+        if req.handoff is not None and self._back_to_handoff(req, out):
+            return
         failed_worker = req.worker_id
         req.phase = REQUEST.next(req.phase, E.ATTEMPT_LOST)
         self._stop_progress_timer(req, out)
@@ -429,6 +492,42 @@ class Requests:
         else:
             self._offer(req, placement, out)
 
+    # --- handoff ---
+
+    def _back_to_handoff(self, req: RequestRecord, out: list[RouterEffect]) -> bool:
+        """The continuation failed before it was accepted (its hold already released):
+        back to the attempt handed off, if its worker still holds it."""
+        assert req.handoff is not None
+        worker_id, assignment = req.handoff
+        req.handoff = None
+        if not self.fleet.holds_live(worker_id, assignment):
+            return False
+        req.phase = REQUEST.next(req.phase, E.HANDOFF_FAILED)
+        self._stop_progress_timer(req, out)
+        req.active, req.worker_id, req.finish = assignment, worker_id, None
+        req.progress_by = self.now + self.config.token_timeout_s
+        out.append(ArmTimer(ProgressTimer(assignment), req.progress_by))
+        req.resend_at = None  # what it decoded meanwhile was fenced: ask for it now
+        self._ask_resend(req, out)
+        self.handoffs_back += 1
+        return True
+
+    def _let_go(self, req: RequestRecord) -> None:
+        """The worker no longer holds the attempt handed off: free its slot."""
+        if req.handoff is not None:
+            worker_id, assignment = req.handoff
+            req.handoff = None
+            self.fleet.release(worker_id, assignment)
+
+    def _cancel_handed_off(self, req: RequestRecord, out: list[RouterEffect]) -> None:
+        """The continuation is accepted (or the request is over): stop the old attempt;
+        its slot stays counted until the worker lets go."""
+        if req.handoff is not None:
+            worker_id, assignment = req.handoff
+            req.handoff = None
+            out.append(SendToWorker(worker_id, Cancel(assignment)))
+            self.fleet.unwanted(worker_id, assignment)
+
     # --- endings ---
 
     def _accept(self, req: RequestRecord, out: list[RouterEffect]) -> None:
@@ -436,6 +535,7 @@ class Requests:
         req.phase = REQUEST.next(req.phase, E.ACCEPTED)
         out.append(DisarmTimer(OfferTimer(req.active)))
         self.fleet.confirm(req.worker_id, req.active)
+        self._cancel_handed_off(req, out)
         # The first token's deadline: prefill of everything before it, then one step.
         config = self.config
         context = len(req.request.prompt_token_ids) + req.delivered
@@ -470,6 +570,7 @@ class Requests:
     ) -> None:
         req.phase = REQUEST.next(req.phase, event)
         self._stop_progress_timer(req, out)
+        self._cancel_handed_off(req, out)
         del self.records[req.request.request_id]
         kind = outcome.reason if isinstance(outcome, DeliverFinished) else outcome.kind
         self.outcomes[kind] += 1

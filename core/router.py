@@ -50,6 +50,7 @@ from core.protocol import (
     ClientCancel,
     Finished,
     FromWorkerMessage,
+    HandOff,
     Heartbeat,
     LivenessTimer,
     OfferResult,
@@ -65,7 +66,7 @@ from core.protocol import (
     WorkerGone,
 )
 from core.requests import Requests
-from core.states import RouterMisuse
+from core.states import Phase, RouterMisuse
 
 __all__ = ["Router", "RouterConfig", "RouterMisuse", "RouterStatistics", "WorkerView"]
 
@@ -125,6 +126,8 @@ class RouterStatistics(Struct, frozen=True):
     resends_requested: int
     retries: int  # attempts that failed before the first token and were tried again
     resumes: int  # continuations offered after the first token
+    handoffs: int = 0  # continuations started by a draining worker's HandOff
+    handoffs_back: int = 0  # of those, failed before acceptance: back to the first worker
 
 
 class Router:
@@ -156,6 +159,11 @@ class Router:
                 requests.on_offer_result(worker_id, result, out)
             case FromWorkerMessage(worker_id, Heartbeat() as heartbeat):
                 fleet.on_heartbeat(worker_id, heartbeat, out)
+            case FromWorkerMessage(worker_id, HandOff(sender, epoch, assignments)):
+                if sender == worker_id and fleet.current(worker_id, epoch):
+                    requests.on_handoff(worker_id, assignments, out)
+                else:
+                    self._fenced["stale_handoff"] += 1
             case Submit(request):
                 requests.on_submit(request, out)
                 return out  # submit dispatches itself; nothing else changed
@@ -189,6 +197,8 @@ class Router:
             resends_requested=requests.resends,
             retries=requests.retries,
             resumes=requests.resumes,
+            handoffs=requests.handoffs,
+            handoffs_back=requests.handoffs_back,
         )
 
     def slot_usage(self) -> list[tuple[str, int, int]]:
@@ -205,8 +215,28 @@ class Router:
         return req.worker_id, req.active
 
     def wants(self, worker_id: str, assignment: Assignment) -> bool:
-        """Is this the active attempt of a live request, placed on this worker?"""
-        return self.placement(assignment.request_id) == (worker_id, assignment)
+        """Is this the active attempt of a live request, placed on this worker, or the
+        attempt it handed off that the router keeps running until its continuation is
+        accepted?"""
+        placed = (worker_id, assignment)
+        return self.placement(assignment.request_id) == placed or (
+            self.handed_off(assignment.request_id) == placed
+        )
+
+    def handoffs_back(self) -> int:
+        """Handoffs whose continuation failed, so the stream went back to its worker."""
+        return self.requests.handoffs_back
+
+    def accepted(self, request_id: str) -> bool:
+        """Whether the request's active attempt is accepted (assigned or streaming)."""
+        req = self.requests.records.get(request_id)
+        return req is not None and req.phase in (Phase.ASSIGNED, Phase.STREAMING)
+
+    def handed_off(self, request_id: str) -> tuple[str, Assignment] | None:
+        """(worker id, assignment) of the attempt the request's continuation replaces,
+        while that continuation is offered and not yet accepted."""
+        req = self.requests.records.get(request_id)
+        return None if req is None else req.handoff
 
     def worker_clock(self, worker_id: str) -> tuple[int, int, bool] | None:
         """(epoch, heartbeat sequence, healthy) as the router sees the worker, if known."""

@@ -15,6 +15,9 @@ Four machines:
   -> streaming -> completed | failed | cancelled. A lost attempt sends the
   request back to received with its delivered tokens kept; from there it is
   offered again (retry before the first token, resume after it) or given up.
+  A streaming request whose draining worker hands it off goes back to
+  received too and is offered at once; if that offer fails before it is
+  accepted, it returns to streaming on the worker that handed it off.
 - slot hold (router, one per (worker, assignment) the router counts against
   a worker's slots): offered -> held -> missing, or draining once the router
   no longer wants it, until released.
@@ -104,6 +107,11 @@ class RequestEvent(enum.StrEnum):
     ATTEMPT_LOST = "attempt_lost"
     GIVEN_UP = "given_up"  # nothing can serve it: no worker fits, queue full, attempts spent
     CLIENT_CANCEL = "client_cancel"  # ClientCancel
+    # HandOff from its (draining) worker, and another worker has a slot: continued there
+    HANDED_OFF = "handed_off"
+    # the continuation's offer failed before it was accepted, and the worker that
+    # handed the stream off still holds it: back to that worker
+    HANDOFF_FAILED = "handoff_failed"
 
 
 P, R = Phase, RequestEvent
@@ -116,6 +124,7 @@ REQUEST = Table[Phase, RequestEvent](
         (P.OFFERED, R.ACCEPTED): P.ASSIGNED,
         (P.OFFERED, R.ATTEMPT_LOST): P.RECEIVED,
         (P.OFFERED, R.CLIENT_CANCEL): P.CANCELLED,
+        (P.OFFERED, R.HANDOFF_FAILED): P.STREAMING,
         (P.ASSIGNED, R.TOKEN): P.STREAMING,
         (P.ASSIGNED, R.FINISHED): P.COMPLETED,  # finished without a token of its own
         (P.ASSIGNED, R.ATTEMPT_LOST): P.RECEIVED,
@@ -124,6 +133,7 @@ REQUEST = Table[Phase, RequestEvent](
         (P.STREAMING, R.FINISHED): P.COMPLETED,
         (P.STREAMING, R.ATTEMPT_LOST): P.RECEIVED,  # delivered tokens kept: it resumes
         (P.STREAMING, R.CLIENT_CANCEL): P.CANCELLED,
+        (P.STREAMING, R.HANDED_OFF): P.RECEIVED,  # and offered elsewhere in the same step
     },
     RouterMisuse,
 )

@@ -44,6 +44,16 @@ what the others hold. A router's messages are fenced to its own assignments
 (an assignment names its router), and losing a link (RouterUnlinked, or a
 new registration with that router) ends that router's assignments only;
 nothing is sent for them, as nobody is left to receive it.
+
+Draining
+--------
+Drain stops the worker taking offers (its heartbeats report no slots). With
+handoff (the default) it also tells each router, in a HandOff sent with
+every heartbeat, which of that router's assignments it still holds: the
+router continues each elsewhere and cancels it here once the continuation is
+accepted, and the process exits when nothing is left. Until a Cancel comes
+the worker decodes on as before, so a stream nobody else can take keeps
+running here.
 """
 
 from __future__ import annotations
@@ -67,6 +77,7 @@ from core.protocol import (
     Finished,
     FinishReason,
     FromRouterMessage,
+    HandOff,
     Heartbeat,
     HeartbeatTimer,
     Offer,
@@ -161,6 +172,7 @@ class Worker:
         self._accepted = 0
         self._tokens_sent = 0
         self.draining = False
+        self.handing_off = False  # draining, and giving the active assignments back
         self.cache: CacheReport | None = None  # the decoder's latest, sent with heartbeats
 
     @property
@@ -183,9 +195,12 @@ class Worker:
                 self._heartbeats(out)
                 deadline = now + self.config.heartbeat_interval_s
                 out.append(ArmTimer(HeartbeatTimer(), deadline))
-            case Drain():
-                # Offer no capacity from now on; the next heartbeat tells the router.
+            case Drain(handoff):
+                # Offer no capacity from now on; the heartbeat tells the router. With
+                # handoff, each router is also given back its assignments (again with
+                # every heartbeat, for those it has not taken yet).
                 self.draining = True
+                self.handing_off = handoff
                 self._heartbeats(out)
             case RouterLinked(router, epoch):
                 if router in self._links:  # re-registered: the router let the old link go
@@ -423,6 +438,11 @@ class Worker:
     def _heartbeats(self, out: list[WorkerEffect]) -> None:
         for router, link in self._links.items():
             out.append(SendToRouter(self._heartbeat(router, link), router))
+            if self.handing_off:
+                held = tuple(a for a in self._active if a.router == router)
+                if held:
+                    handoff = HandOff(self.config.worker_id, link.epoch, held)
+                    out.append(SendToRouter(handoff, router))
 
     def _heartbeat(self, router: str, link: _Link) -> Heartbeat:
         """This router's heartbeat: its epoch and sequence, its own assignments, and

@@ -342,9 +342,10 @@ class Cluster:
         self.kv[worker_id].release_all()
         self._run_worker(worker_id, DecoderFailed("injected decoder failure"))
 
-    def drain_worker(self, worker_id: str) -> None:
-        """The process is asked to drain: no new work; it exits once idle (the caller's part)."""
-        self._run_worker(worker_id, Drain())
+    def drain_worker(self, worker_id: str, handoff: bool = True) -> None:
+        """The process is asked to drain: no new work, its streams handed off or let
+        finish; it exits once idle (the caller's part)."""
+        self._run_worker(worker_id, Drain(handoff))
 
     def idle(self, worker_id: str) -> bool:
         return not self.workers[worker_id].holds()
@@ -643,6 +644,11 @@ class Cluster:
 
     def resumes(self) -> int:
         return sum(node.router.statistics().resumes for node in self.all_nodes)
+
+    def handoffs(self) -> tuple[int, int]:
+        """(streams handed off by draining workers, of those gone back to that worker)."""
+        stats = [node.router.statistics() for node in self.all_nodes]
+        return sum(s.handoffs for s in stats), sum(s.handoffs_back for s in stats)
 
     def waste_s(self) -> float:
         return self.worker_oracles.waste_s

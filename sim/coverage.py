@@ -26,7 +26,10 @@ UNREACHABLE: dict[tuple[str, str, str], str] = {
     ("assignment", "active", "decoded"): (
         "the worker's one self-loop, not looked up per token (core/worker.py)"
     ),
-    ("worker health", "healthy", "new_epoch"): _RETIRED,
+    # (healthy -> new_epoch is reachable: a worker that exits while a registration's
+    # answer is on its way leaves that epoch live at the router, whose next registration
+    # of the id is refused until it falls silent, and a takeover or a heartbeat of a
+    # newer epoch meets it healthy; rolling restarts do that, seed 226 of the sweep.)
     ("worker health", "stuck", "new_epoch"): _RETIRED,
     ("worker health", "silent", "new_epoch"): _RETIRED,
     ("worker health", "silent", "deadline_missed"): (

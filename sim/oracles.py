@@ -66,6 +66,7 @@ from core.protocol import (
     Finished,
     FromRouterMessage,
     FromWorkerMessage,
+    HandOff,
     Heartbeat,
     Offer,
     OfferResult,
@@ -98,7 +99,12 @@ REORDERING = frozenset({"late", "delay_spread", "duplicate", "replay", "stall", 
 FENCE_CAUSES: dict[str, frozenset[str]] = {
     "router.wrong_worker": frozenset(),
     "router.over_budget": frozenset(),
-    "router.stale_attempt": frozenset({"attempt_lost"}),
+    # Also the draining worker's tokens for an attempt it handed off, until the
+    # router's Cancel reaches it.
+    "router.stale_attempt": frozenset({"attempt_lost", "drain"}),
+    # A HandOff that reaches the router after it let the worker's epoch go; only a
+    # draining worker sends one.
+    "router.stale_handoff": frozenset({"drain"}),
     "router.duplicate": frozenset({"duplicate", "replay", "resend"}),
     "router.gap": frozenset({"loss", "late", "partition", "blackout", "delay_spread"}),
     "router.stale_heartbeat": REORDERING | {"crash", "drain"},
@@ -191,6 +197,7 @@ class _Tally:
     resumes: int = 0
     full_retries: int = 0  # of those, declined for want of a slot (several routers)
     full_resumes: int = 0
+    handoffs: int = 0  # continuations a draining worker's HandOff started (no resume)
 
 
 class Oracles:
@@ -211,6 +218,9 @@ class Oracles:
         self._tallies: dict[str, _Tally] = {}
         self._views: dict[str, tuple[int, int]] = {}
         self._lost_mark = 0
+        self._handoffs_back = 0
+        # request -> (worker, attempt handed off, its continuation) until that is settled
+        self._handing_off: dict[str, tuple[str, Assignment, Assignment]] = {}
         self._last_progress_check = 0.0
         # The last cache report the router accepted from each worker: (epoch, when, report).
         self._reports: dict[str, tuple[int, float, CacheReport | None]] = {}
@@ -246,6 +256,7 @@ class Oracles:
                 case DeliverFinished(request_id) | DeliverError(request_id):
                     self._on_outcome(request_id, effect, now)
         if isinstance(event, FromWorkerMessage):
+            self._check_delivered_from_active(event, effects)
             self._check_answered(event, effects, before)
             if isinstance(event.message, Heartbeat):
                 self._note_report(event.worker_id, event.message, before, now)
@@ -257,6 +268,8 @@ class Oracles:
         if offers:
             self._check_placements(offers, now)
         self._check_views()
+        if self._handing_off:
+            self._check_handoffs(effects, now)
         mark = self.router.attempts_lost()
         if mark != self._lost_mark:
             self._lost_mark = mark
@@ -374,7 +387,11 @@ class Oracles:
             self._lose(rid, tally.attempts[-1], now)
         context = len(offer.request.prompt_token_ids) + len(offer.request.output_prefix)
         tally.attempts.append(_Attempt(offer.assignment, worker_id, now, context, progress_at=now))
-        if self.streams[rid].tokens:
+        handed = self.router.handed_off(rid)
+        if handed is not None:
+            tally.handoffs += 1  # spends no resume; the old attempt runs until it is accepted
+            self._handing_off[rid] = (*handed, offer.assignment)
+        elif self.streams[rid].tokens:
             tally.resumes += 1
             if tally.resumes - tally.full_resumes > config.max_resumes:
                 self._violation(f"{rid}: resume {tally.resumes} > max_resumes {config.max_resumes}")
@@ -387,8 +404,12 @@ class Oracles:
                     "declined for want of a slot)"
                 )
         holders = self.router.holders(rid)
-        if holders != [worker_id]:
-            self._violation(f"{rid}: placed on {holders} at once (offer to {worker_id})")
+        expected = [worker_id] if handed is None else sorted({worker_id, handed[0]})
+        if sorted(holders) != expected:
+            self._violation(
+                f"{rid}: placed on {holders} at once (offer to {worker_id}"
+                + (")" if handed is None else f", handed off by {handed[0]})")
+            )
 
     def _on_outcome(
         self, request_id: str, outcome: DeliverFinished | DeliverError, now: float
@@ -462,6 +483,63 @@ class Oracles:
                 f"(offered at {attempt.offered_at:.4f}) lost at {now:.4f}, and no fault "
                 f"touched {attempt.worker_id} to explain it"
             )
+
+    def _check_delivered_from_active(
+        self, event: FromWorkerMessage, effects: list[RouterEffect]
+    ) -> None:
+        """Output reaches the client only from the attempt that is active (after the
+        step), on the worker it was placed on: never the other of a handoff's two."""
+        message = event.message
+        if not isinstance(message, Token | TokenRun):
+            return
+        if not any(isinstance(e, DeliverToken) for e in effects):
+            return
+        placed = self.router.placement(message.assignment.request_id)
+        if placed is not None and placed != (event.worker_id, message.assignment):
+            self._violation(
+                f"{message.assignment} from {event.worker_id} reached the client while "
+                f"{placed} is the active attempt"
+            )
+
+    def _check_handoffs(self, effects: list[RouterEffect], now: float) -> None:
+        """A handed-off attempt is cancelled only once its continuation is accepted
+        (or the request is over); a continuation that fails before that goes back to it,
+        which reopens it here."""
+        for effect in effects:
+            if not (isinstance(effect, SendToWorker) and isinstance(effect.message, Cancel)):
+                continue
+            rid = effect.message.assignment.request_id
+            pending = self._handing_off.get(rid)
+            if pending is None or (effect.worker_id, effect.message.assignment) != pending[:2]:
+                continue
+            del self._handing_off[rid]
+            placed = self.router.placement(rid)
+            settled = placed is None or (placed[1] == pending[2] and self.router.accepted(rid))
+            if not settled:
+                self._violation(
+                    f"{pending[1]} on {pending[0]}, handed off, was cancelled before its "
+                    f"continuation {pending[2]} was accepted"
+                )
+        back = self.router.handoffs_back()
+        went_back, self._handoffs_back = back != self._handoffs_back, back
+        for rid, (worker_id, assignment, _) in list(self._handing_off.items()):
+            if self.router.handed_off(rid) == (worker_id, assignment):
+                continue  # still pending
+            if not went_back or self.router.placement(rid) != (worker_id, assignment):
+                # settled without a Cancel of ours: the router lost that worker's hold
+                # (the worker was lost), or the request ended
+                del self._handing_off[rid]
+                continue
+            del self._handing_off[rid]  # back on the worker that handed it off
+            tally = self._tallies.get(rid)
+            if tally is None or not tally.attempts:
+                continue
+            last = tally.attempts[-1]
+            if last.open:
+                self._lose(rid, last, now)  # the continuation that failed
+            again = _Attempt(assignment, worker_id, now, last.context, progress_at=now)
+            again.streaming = True
+            tally.attempts.append(again)
 
     def _check_answered(
         self,
@@ -591,8 +669,23 @@ class WorkerOracles:
                     self._sent.pop((worker_id, process, assignment), None)
                 case Finished(assignment):
                     self._sent.pop((worker_id, process, assignment), None)
+                case HandOff() as handoff:
+                    self._check_handoff(worker_id, handoff, effect.router_id)
         if isinstance(event, FromRouterMessage) and isinstance(event.message, Resend):
             self._check_resend(worker_id, process, event.message, effects)
+
+    def _check_handoff(self, worker_id: str, handoff: HandOff, router_id: str) -> None:
+        """A HandOff gives a router back only what the worker holds of that router's,
+        under the epoch of that router's link."""
+        worker = self.cluster.workers[worker_id]
+        held = worker.holds()
+        epoch = worker.links().get(router_id)
+        wrong = [a for a in handoff.assignments if a.router != router_id or a not in held]
+        if wrong or handoff.epoch != epoch or handoff.worker_id != worker_id:
+            self._violation(
+                f"{worker_id} handed {router_id or 'its router'} {wrong or handoff.assignments} "
+                f"(epoch {handoff.epoch}; the link's is {epoch})"
+            )
 
     def _check_resend(
         self, worker_id: str, process: int, resend: Resend, effects: list[WorkerEffect]

@@ -163,6 +163,10 @@ class Swarm:
     impostors: int
     future_epochs: int
     max_prefill_tokens: int  # the fake decoders' batching limits (core.batching)
+    # Drawn after the rest: a drain hands its streams off (most seeds) or lets them
+    # finish; and some seeds restart every worker in turn, under load (a rollout).
+    drain_handoff: bool = True
+    rolling_restart: bool = False
 
 
 def draw_swarm(rng: Random, scenario: Scenario) -> Swarm:
@@ -205,6 +209,8 @@ def draw_swarm(rng: Random, scenario: Scenario) -> Swarm:
         hangs=count("decoder_hang", 2),
         impostors=count("impostor", 2),
         future_epochs=count("future_epoch", 2),
+        drain_handoff=rng.random() < 0.8,
+        rolling_restart=rng.random() < 0.15,
     )
 
 
@@ -248,6 +254,7 @@ class SimResult:
     routers: int = 1
     client_retries: int = 0  # requests sent again after their router died
     full_declines: int = 0  # attempts a worker declined for want of a slot
+    handoffs: tuple[int, int] = (0, 0)  # streams handed off by draining workers; gone back
     trace_hash: str | None = None
     trace_tail: list[str] = field(default_factory=list)
 
@@ -727,6 +734,10 @@ class Simulation:
         # Drawn after everything above, so that those draws stayed as they were.
         for _ in range(self.swarm.drains):
             self.clock.schedule(rng.uniform(0.5, window), self._drain, rng.choice(worker_ids))
+        if self.swarm.rolling_restart:
+            # after every draw above, from its own stream, so that those stay as they were
+            start = Random(rng.random()).uniform(0.5, max(0.5, window / 2))
+            self.clock.schedule(start, self._roll, tuple(worker_ids), 0)
         for _ in range(self.swarm.misbehaving_decoders):
             at, worker_id = rng.uniform(0.5, window), rng.choice(worker_ids)
             self.clock.schedule(at, self._decoder_misbehaves, worker_id, rng.uniform(0.2, 2.0))
@@ -796,14 +807,42 @@ class Simulation:
         if self.cluster.is_down(worker_id):
             self._restart(worker_id, backoff_s)
 
+    def _roll(self, worker_ids: tuple[str, ...], index: int) -> None:
+        """A rolling restart: drain worker `index`, then, once it is back, the next
+        (each worker once; a worker down for another fault is waited for)."""
+        if self.healed or index >= len(worker_ids):
+            return
+        worker_id = worker_ids[index]
+        if self._busy(worker_id):
+            self.clock.schedule(self.clock.now + 0.1, self._roll, worker_ids, index)
+            return
+        self._fault("rolling_restart", worker_id)
+        self._drain(worker_id)
+        self.clock.schedule(self.clock.now + 0.1, self._roll_next, worker_ids, index + 1)
+
+    def _roll_next(self, worker_ids: tuple[str, ...], index: int) -> None:
+        if self._busy(worker_ids[index - 1]):  # not back yet
+            self.clock.schedule(self.clock.now + 0.1, self._roll_next, worker_ids, index)
+            return
+        self._roll(worker_ids, index)
+
+    def _busy(self, worker_id: str) -> bool:
+        """Draining, down, or not yet restarted."""
+        return (
+            worker_id in self._draining
+            or worker_id in self._open_crash
+            or not self.cluster.alive(worker_id)
+        )
+
     def _drain(self, worker_id: str) -> None:
-        """Drain (a rolling restart): no new work; the process exits once idle, the
+        """Drain (a rolling restart): no new work, the streams handed off to other
+        workers (or, in some seeds, finished here); the process exits once idle, the
         transport sees its connection close, and a new epoch starts a moment later."""
         if self.healed or not self.cluster.alive(worker_id) or worker_id in self._draining:
             return
         self._fault("drain", worker_id)
         self._draining[worker_id] = self._disturb(worker_id, "drain", math.inf)
-        self.cluster.drain_worker(worker_id)
+        self.cluster.drain_worker(worker_id, handoff=self.swarm.drain_handoff)
         self._drain_check(worker_id, self._generation[worker_id])
 
     def _drain_check(self, worker_id: str, generation: int) -> None:
@@ -918,6 +957,7 @@ class Simulation:
             routers=self.scenario.routers,
             client_retries=self._client_retries,
             full_declines=cluster.full_declines(),
+            handoffs=cluster.handoffs(),
             prefill_tokens=(cluster.prefill_tokens[0], cluster.prefill_tokens[1]),
             trace_hash=self._hash.hexdigest() if self._hash is not None else None,
             trace_tail=list(self._tail),

@@ -30,6 +30,9 @@ class SweepSummary:
     shared_runs: int = 0  # runs with several routers sharing the workers
     client_retries: int = 0
     full_declines: int = 0
+    handoffs: int = 0
+    handoffs_back: int = 0
+    rolling_runs: int = 0
     attempts_lost: int = 0
     waste_s: float = 0.0
     errors: Counter[str] = field(default_factory=Counter)
@@ -52,6 +55,9 @@ class SweepSummary:
         self.shared_runs += result.routers > 1
         self.client_retries += result.client_retries
         self.full_declines += result.full_declines
+        self.handoffs += result.handoffs[0]
+        self.handoffs_back += result.handoffs[1]
+        self.rolling_runs += result.faults["rolling_restart"] > 0
         self.attempts_lost += result.attempts_lost
         self.waste_s += result.waste_s
         self.errors.update(result.errors)

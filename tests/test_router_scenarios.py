@@ -16,6 +16,7 @@ from core.protocol import (
     Finished,
     FromWorkerMessage,
     GenerationRequest,
+    HandOff,
     Heartbeat,
     LivenessTimer,
     Offer,
@@ -618,3 +619,79 @@ def test_logprob_records_are_delivered_with_their_tokens_from_tokens_and_runs() 
         DeliverToken("a", 1, 11, records[1]),
         DeliverToken("a", 2, 12, records[2]),
     ]
+
+
+# --- handoff: a draining worker gives its streams back (core/requests.py) ---
+
+
+def _streaming_on_one_of_two() -> tuple[Router, str, str, Assignment]:
+    """A stream with 3 tokens delivered on one worker; another worker has a free slot."""
+    router = Router(RouterConfig())
+    beat(router, "w1")
+    beat(router, "w2")
+    [(first, offer)] = offers(router.handle(Submit(request("r", max_new=8)), 0.1))
+    a1 = offer.assignment
+    router.handle(FromWorkerMessage(first, OfferResult(first, 0, a1, True)), 0.2)
+    for index in range(3):
+        router.handle(FromWorkerMessage(first, Token(a1, index, 10 + index)), 0.3)
+    return router, first, "w2" if first == "w1" else "w1", a1
+
+
+def _hand_off(router: Router, worker: str, *assignments: Assignment) -> list[RouterEffect]:
+    beat(router, worker, 0.4, seq=2, slots=0, active=assignments, free=0)  # draining
+    return router.handle(FromWorkerMessage(worker, HandOff(worker, 0, assignments)), 0.4)
+
+
+def delivered(effects: list[RouterEffect]) -> list[tuple[int, int]]:
+    return [(e.index, e.token_id) for e in effects if isinstance(e, DeliverToken)]
+
+
+def test_a_handed_off_stream_goes_on_elsewhere_and_the_old_attempt_ends_on_acceptance() -> None:
+    router, first, other, a1 = _streaming_on_one_of_two()
+    effects = _hand_off(router, first, a1)
+    [(to, offer)] = offers(effects)
+    a2 = offer.assignment
+    assert to == other and a2.attempt == 2 and offer.request.output_prefix == (10, 11, 12)
+    assert not cancels(effects)  # the old attempt decodes on until the new one is accepted
+    assert router.handed_off("r") == (first, a1) and router.wants(first, a1)
+    # its tokens no longer reach the client: only the continuation's do
+    assert not delivered(router.handle(FromWorkerMessage(first, Token(a1, 3, 13)), 0.5))
+    assert router.statistics().fenced["stale_attempt"] == 1
+    accepted = router.handle(FromWorkerMessage(other, OfferResult(other, 0, a2, True)), 0.6)
+    assert cancels(accepted) == [(first, a1)] and router.handed_off("r") is None
+    assert delivered(router.handle(FromWorkerMessage(other, Token(a2, 3, 13)), 0.7)) == [(3, 13)]
+    stats = router.statistics()
+    assert (stats.handoffs, stats.handoffs_back, stats.resumes) == (1, 0, 0)
+    # a repeated HandOff for the attempt already handed off changes nothing
+    assert not offers(_hand_off(router, first, a1))
+
+
+def test_a_continuation_that_fails_before_acceptance_goes_back_to_the_old_attempt() -> None:
+    router, first, other, a1 = _streaming_on_one_of_two()
+    [(_, offer)] = offers(_hand_off(router, first, a1))
+    router.handle(FromWorkerMessage(first, Token(a1, 3, 13)), 0.5)  # fenced meanwhile
+    declined = OfferResult(other, 0, offer.assignment, False, "no_slot")
+    back = router.handle(FromWorkerMessage(other, declined), 0.6)
+    resends = [e.message for e in back if isinstance(e, SendToWorker)]
+    assert resends == [Resend(a1, 3)]  # what the fence dropped, asked for again
+    assert router.placement("r") == (first, a1) and router.statistics().handoffs_back == 1
+    run = TokenRun(a1, 3, (13, 14))
+    assert delivered(router.handle(FromWorkerMessage(first, run), 0.7)) == [(3, 13), (4, 14)]
+
+
+def test_a_stream_nobody_else_can_take_stays_and_a_stale_handoff_is_fenced() -> None:
+    router, first, other, a1 = _streaming_on_one_of_two()
+    beat(router, other, 0.35, seq=2, slots=0, free=0)  # the other is draining too
+    assert not offers(_hand_off(router, first, a1)) and router.placement("r") == (first, a1)
+    assert delivered(router.handle(FromWorkerMessage(first, Token(a1, 3, 13)), 0.5)) == [(3, 13)]
+    stale = HandOff(first, 7, (a1,))  # an epoch the router never handed out
+    assert not router.handle(FromWorkerMessage(first, stale), 0.6)
+    assert router.statistics().fenced["stale_handoff"] == 1
+
+
+def test_a_client_cancel_during_a_handoff_cancels_both_attempts() -> None:
+    router, first, other, a1 = _streaming_on_one_of_two()
+    [(_, offer)] = offers(_hand_off(router, first, a1))
+    effects = router.handle(ClientCancel("r"), 0.5)
+    assert sorted(cancels(effects)) == sorted([(first, a1), (other, offer.assignment)])
+    assert router.handed_off("r") is None and router.holders("r") == []

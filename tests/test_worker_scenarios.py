@@ -13,6 +13,7 @@ from core.protocol import (
     Finished,
     FromRouterMessage,
     GenerationRequest,
+    HandOff,
     Heartbeat,
     HeartbeatTimer,
     Offer,
@@ -167,13 +168,39 @@ def test_decoder_failure_ends_every_assignment() -> None:
 def test_drain_declines_new_offers_and_lets_active_ones_finish() -> None:
     worker = make(slots=2, max_context=64, epoch=3)
     offer(worker, "a", max_new=1)
-    [hb] = sent(worker.handle(Drain(), 1.0))
+    [hb] = sent(worker.handle(Drain(handoff=False), 1.0))
     assert hb == Heartbeat("w1", 3, 1, 0, 0, 64, (Assignment("a", 1),))
     assert answer(offer(worker, "b")).reason == "no_slot"
     a1 = Assignment("a", 1)
     assert sent(worker.handle(Decoded(a1, 0, 9), 1.1)) == [Token(a1, 0, 9)]
     assert sent(worker.handle(DecodeDone(a1, "length"), 1.1)) == [Finished(a1, "length", 1)]
     assert list(worker.holds()) == []
+
+
+def test_drain_with_handoff_gives_each_router_its_own_assignments_until_cancelled() -> None:
+    worker = shared(slots=3)
+    offer_from(worker, "ra", "q1")
+    offer_from(worker, "rb", "q1")
+    offer_from(worker, "rb", "q2")
+    given = [(r, m) for r, m in routed(worker.handle(Drain(), 1.0)) if isinstance(m, HandOff)]
+    assert given == [
+        ("ra", HandOff("w1", 5, (Assignment("q1", 1, "ra"),))),
+        ("rb", HandOff("w1", 0, (Assignment("q1", 1, "rb"), Assignment("q2", 1, "rb")))),
+    ]
+    assert not answer(offer_from(worker, "ra", "q3")).accepted  # draining: no new work
+    # it decodes on until a router cancels: what it holds is given back again each beat
+    assert worker.handle(Decoded(Assignment("q1", 1, "ra"), 0, 7), 1.1)
+    worker.handle(FromRouterMessage(Cancel(Assignment("q1", 1, "rb")), "rb"), 1.2)
+    again = [(r, m) for r, m in routed(worker.handle(TimerFired(HeartbeatTimer()), 1.5))
+             if isinstance(m, HandOff)]  # fmt: skip
+    assert [(r, m.assignments) for r, m in again] == [
+        ("ra", (Assignment("q1", 1, "ra"),)),
+        ("rb", (Assignment("q2", 1, "rb"),)),
+    ]
+    for router, rid in (("ra", "q1"), ("rb", "q2")):
+        worker.handle(FromRouterMessage(Cancel(Assignment(rid, 1, router)), router), 1.6)
+    quiet = routed(worker.handle(TimerFired(HeartbeatTimer()), 2.0))
+    assert not [m for _, m in quiet if isinstance(m, HandOff)] and not list(worker.holds())
 
 
 def test_heartbeats_carry_epoch_sequence_capacity_and_assignments() -> None:

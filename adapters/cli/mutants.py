@@ -182,9 +182,9 @@ MUTANTS = (
     Mutant(
         "router places a dropped attempt again before releasing it",
         "core/requests.py",
-        "        req = self.records[request_id]\n        self._release(req, out)\n"
+        "            return\n        self._release(req, out)\n"
         '        self._attempt_lost(req, "worker_lost", "worker dropped the assignment", out)\n',
-        "        req = self.records[request_id]\n"
+        "            return\n"
         '        self._attempt_lost(req, "worker_lost", "worker dropped the assignment", out)\n',
     ),
     Mutant(
@@ -323,6 +323,27 @@ MUTANTS = (
         "core/worker.py",
         '            self._fenced["offer_after_cancel"] += 1\n',
         '            self._fenced["duplicate_offer"] += 1\n',
+    ),
+    # Issue 35: the fences of a handoff.
+    Mutant(
+        "router takes tokens from the worker that handed off",
+        "core/requests.py",
+        '        if req.active != assignment:\n            self._fenced["stale_attempt"] += 1\n',
+        "        if req.handoff == (worker_id, assignment):\n            return req\n"
+        '        if req.active != assignment:\n            self._fenced["stale_attempt"] += 1\n',
+    ),
+    Mutant(
+        "router cancels a handed-off stream before the new accept",
+        "core/requests.py",
+        "            req.handoff = (worker_id, assignment)\n",
+        "            req.handoff = (worker_id, assignment)\n"
+        "            out.append(SendToWorker(worker_id, Cancel(assignment)))\n",
+    ),
+    Mutant(
+        "worker hands a router other routers' assignments",
+        "core/worker.py",
+        "                held = tuple(a for a in self._active if a.router == router)\n",
+        "                held = tuple(self._active)\n",
     ),
 )
 

@@ -127,7 +127,10 @@ def _print_result_line(result: SimResult) -> None:
         f"{result.tokens_delivered} tokens delivered, {result.events} events, "
         f"virtual time {result.virtual_time_s:.2f}s"
     )
-    print(f"  outcomes: {_counts(result.outcomes)}; streams resumed: {result.resumes}")
+    print(
+        f"  outcomes: {_counts(result.outcomes)}; streams resumed: {result.resumes}; "
+        f"handed off by draining workers: {result.handoffs[0]} ({result.handoffs[1]} back)"
+    )
     if result.routers > 1:
         print(
             f"  {result.routers} routers share the workers; offers declined for want of "
@@ -146,6 +149,10 @@ def _print_summary(summary: SweepSummary, elapsed_s: float) -> None:
     print(f"events {summary.events}")
     print(f"outcomes: {_counts(summary.outcomes)}")
     print(f"streams resumed after their first token: {summary.resumes}")
+    print(
+        f"streams handed off by draining workers: {summary.handoffs} ({summary.handoffs_back} "
+        f"went back when the continuation failed); rolling restarts: {summary.rolling_runs} runs"
+    )
     print(
         f"runs with routers sharing the workers: {summary.shared_runs}; offers declined for "
         f"want of a slot: {summary.full_declines}; requests sent again after their router "
