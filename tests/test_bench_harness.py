@@ -49,6 +49,18 @@ def test_the_router_loss_drill_leaves_the_surviving_routers_clients_untouched() 
     assert "the surviving routers' clients saw no error" in out
 
 
+def test_the_rolling_restart_drill_hands_streams_off_and_keeps_every_text() -> None:
+    out = fencepost("bench", "drill", "--rolling", "--workers", "2", "--streams", "4",
+                    "--tokens", "200", "--steady", "1", "--steady-tokens", "8",
+                    "--step-ms", "10")  # fmt: skip
+    restarted = re.findall(r"^\s{2}(w\d): SIGTERM -> exit \S+ \((\d+) streams held\)", out, re.M)
+    assert [name for name, _ in restarted] == ["w1", "w2"], out
+    handed = int(re.search(r"streams handed off: (\d+)", out)[1])  # type: ignore[index]
+    assert handed > 0 and int(restarted[0][1]) > 0, out  # w1 held streams, and gave them up
+    assert re.search(r"texts equal to the undisturbed run: long 4/4, steady (\d+)/\1; "
+                     r"failed requests: 0", out), out  # fmt: skip
+
+
 def test_bench_quality_reports_the_formats_asked_for_against_fp32() -> None:
     # Two formats (every format's gate is scored in tests/test_default_model.py).
     out = fencepost("bench", "quality", "--tokens", "64", "--generate", "3", "--formats", "bf16")

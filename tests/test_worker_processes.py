@@ -346,12 +346,15 @@ def test_a_second_process_with_a_live_worker_id_is_refused_once_and_exits(
 
 
 def test_sigterm_drains_a_worker_and_it_exits_0(workers: Workers) -> None:
+    """--drain-mode finish: its streams run to their end there."""
+
     async def main() -> None:
         controller = Controller(CONFIG)
         async with trio.open_nursery() as nursery:
             await nursery.start(controller.run)
             port = await nursery.start(serve_workers, controller, "127.0.0.1", 0)
-            leaving = workers.spawn(port, "a-leaving", slots=2)  # first in id order
+            finish = ("--drain-mode", "finish")
+            leaving = workers.spawn(port, "a-leaving", slots=2, extra=finish)  # first by id
             await wait_until(controller, lambda s: len(healthy(s)) == 1, 30)
             workers.spawn(port, "b-staying", slots=2)
             await wait_until(controller, lambda s: len(healthy(s)) == 2, 30)
@@ -383,6 +386,53 @@ def test_sigterm_drains_a_worker_and_it_exits_0(workers: Workers) -> None:
             assert code == 0
             stats = await wait_until(controller, lambda s: set(s.links) == {"b-staying"}, 30)
             assert settled(stats)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_sigterm_hands_the_streams_off_and_the_worker_exits_while_they_go_on(
+    workers: Workers,
+) -> None:
+    """--drain-mode handoff (the default): the streams continue on the other worker at
+    the exact token, the draining worker exits long before they end (its drain timeout
+    is far past them), and no resume is spent (resumes are off in CONFIG)."""
+
+    async def main() -> None:
+        controller = Controller(CONFIG)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(controller.run)
+            port = await nursery.start(serve_workers, controller, "127.0.0.1", 0)
+            drain = ("--drain-timeout", "120")
+            leaving = workers.spawn(port, "a-leaving", slots=4, prefill_ms=0, extra=drain)
+            await wait_until(controller, lambda s: len(healthy(s)) == 1, 30)
+            results: Results = {}
+
+            async def client(req: GenerationRequest) -> None:
+                results[req.request_id] = await collect(controller.submit(req))
+
+            async with trio.open_nursery() as clients:
+                running = [request(f"long-{i}", 800) for i in range(3)]  # 8 s of tokens
+                for req in running:
+                    clients.start_soon(client, req)
+                await wait_until(
+                    controller, lambda s: s.router.requests_by_phase.get("streaming") == 3, 30
+                )
+                workers.spawn(port, "b-staying", slots=4, prefill_ms=0)
+                await wait_until(controller, lambda s: len(healthy(s)) == 2, 30)
+                leaving.send_signal(signal.SIGTERM)
+                code = await trio.to_thread.run_sync(leaving.wait, 60)
+                assert code == 0
+                assert not results, "the worker waited for its streams to end"
+            for req in running:
+                tokens, outcome = results[req.request_id]
+                assert isinstance(outcome, DeliverFinished), outcome
+                assert tokens == expected(req)
+            stats = await wait_until(controller, lambda s: set(s.links) == {"b-staying"}, 30)
+            assert (stats.router.handoffs, stats.router.resumes) == (3, 0)
+            assert settled(stats)
+            log = (workers.log_dir / "a-leaving-0.log").read_text()
+            assert "handing off 3 stream(s)" in log and "0 stream(s) still held" in log
             nursery.cancel_scope.cancel()
 
     trio.run(main)

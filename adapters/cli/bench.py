@@ -121,23 +121,51 @@ def _drill_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=positive, default=16)
     parser.add_argument("--duration", type=positive, default=20, help="seconds of load")
     parser.add_argument("--kill-at", type=positive, default=6, help="seconds into the load")
-    parser.add_argument("--tokens", type=positive, default=100)
+    parser.add_argument(
+        "--tokens", type=positive, default=None,
+        help="max_tokens of each request (default 100; --rolling: 1000)",
+    )  # fmt: skip
     parser.add_argument(
         "--routers", type=positive, default=1,
         help="routers sharing the workers; above 1, kill -9 a router instead of a worker",
     )  # fmt: skip
+    rolling = parser.add_argument_group("--rolling: restart every worker in turn under load")
+    rolling.add_argument("--rolling", action="store_true", help="a rollout instead of a kill")
+    rolling.add_argument("--workers", type=positive, default=3)
+    rolling.add_argument("--streams", type=positive, default=16, help="long streams")
+    rolling.add_argument("--steady", type=natural, default=4, help="clients of short requests")
+    rolling.add_argument("--steady-tokens", type=positive, default=32)
+    rolling.add_argument("--step-ms", type=float, default=25.0, help="the fake decoder's step")
+    rolling.add_argument("--drain-mode", choices=("handoff", "finish"), default="handoff")
+    rolling.add_argument("--drain-timeout", type=positive, default=30.0, metavar="SECONDS")
 
 
 def _drill(args: argparse.Namespace) -> int:
     from adapters.bench import drill
 
+    if args.rolling:
+        from adapters.bench import rolling
+
+        return rolling.main(
+            rolling.Rolling(
+                model_path=args.model,
+                workers=args.workers,
+                streams=args.streams,
+                tokens=args.tokens or 1000,
+                steady=args.steady,
+                steady_tokens=args.steady_tokens,
+                step_ms=args.step_ms,
+                drain_mode=args.drain_mode,
+                drain_timeout_s=args.drain_timeout,
+            )
+        )
     return drill.main(
         drill.Drill(
             model_path=args.model,
             clients=args.clients,
             duration_s=args.duration,
             kill_at_s=args.kill_at,
-            tokens=args.tokens,
+            tokens=args.tokens or 100,
             routers=args.routers,
         )
     )

@@ -7,9 +7,13 @@ go are followed. Offers from all routers compete for the same slots.
 --health-listen HOST:PORT serves /health, /ready and /metrics (health.py).
 
 SIGTERM or SIGINT drains it: it declines new offers at once (its heartbeats
-offer no capacity), lets what it holds finish for up to --drain-timeout
-seconds, then exits 0; whatever was still running is then ended by the router
-(failed over if no token was delivered, worker_lost otherwise).
+offer no capacity) and, with --drain-mode handoff (the default), gives its
+streams back to their routers, which continue each on another worker from
+the exact token delivered and cancel it here once that worker has accepted
+it; a stream no other worker can take runs on here. With --drain-mode finish
+its streams run to their end here. Either way it exits 0 once it holds
+nothing, or after --drain-timeout seconds; whatever was still running is then
+continued by the router from its delivered prefix when the link closes.
 """
 
 from __future__ import annotations
@@ -73,6 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, metavar="SECONDS")
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS")
+    parser.add_argument(
+        "--drain-mode", choices=("handoff", "finish"), default="handoff",
+        help="on SIGTERM: hand the streams to other workers at the exact token (default), "
+        "or let them finish here",
+    )  # fmt: skip
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_weights_argument(parser)
@@ -175,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         resolve_interval_s=args.resolve_interval,
         tls=tls,
     )
-    trio.run(_serve, worker, args.drain_timeout, args.health_listen)
+    trio.run(_serve, worker, args.drain_timeout, args.health_listen, args.drain_mode)
     if worker.refused is not None:
         log.error("worker id %s is taken; exiting: %s", worker_id, worker.refused)
         return 2
@@ -183,7 +192,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(
-    worker: RemoteWorker, drain_timeout_s: float, health: tuple[str, int] | None
+    worker: RemoteWorker,
+    drain_timeout_s: float,
+    health: tuple[str, int] | None,
+    drain_mode: str = "handoff",
 ) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
@@ -196,10 +208,20 @@ async def _serve(
 
             nursery.start_soon(run_then_stop)
             async for signum in signals:
+                held = len(worker.host.worker.holds())
+                how = "handing off" if drain_mode == "handoff" else "finishing"
                 log.info(
-                    "%s: draining for up to %.1fs", signal.Signals(signum).name, drain_timeout_s
-                )
-                await worker.drain(drain_timeout_s)
+                    "%s: draining for up to %.1fs, %s %d stream(s)",
+                    signal.Signals(signum).name, drain_timeout_s, how, held,
+                )  # fmt: skip
+                began = trio.current_time()
+                await worker.drain(drain_timeout_s, handoff=drain_mode == "handoff")
+                left = len(worker.host.worker.holds())
+                log.info(
+                    "drained in %.2fs; %d stream(s) still held%s",
+                    trio.current_time() - began, left,
+                    " (the routers continue them when the link closes)" if left else "",
+                )  # fmt: skip
                 nursery.cancel_scope.cancel()
                 break
     log.info("worker stopped")

@@ -52,6 +52,13 @@ class Metrics:
             "Started streams continued on another worker from their delivered prefix",
             registry=r,
         )
+        self.handoffs = Gauge(
+            "fencepost_stream_handoffs",
+            "Streams a draining worker handed off, continued on another worker at the "
+            "exact token, by outcome (accepted there, or back to the draining worker)",
+            ["result"],
+            registry=r,
+        )
         self.worker_requests = Gauge(
             "fencepost_worker_requests_total",
             "Attempts the router placed on each worker (since the router started)",
@@ -86,6 +93,9 @@ class Metrics:
         self.slots_used.set(sum(w.held for w in stats.router.workers))
         self.retries.set(stats.router.retries)
         self.resumes.set(stats.router.resumes)
+        back = stats.router.handoffs_back
+        self.handoffs.labels("continued").set(stats.router.handoffs - back)
+        self.handoffs.labels("back").set(back)
         submitted = computed = 0
         for worker in stats.router.workers:
             self.worker_requests.labels(worker.worker_id).set(worker.placed)

@@ -478,9 +478,11 @@ class RemoteWorker:
         """The decoder runs and at least one router has registered this worker."""
         return self.decoding and bool(self.links)
 
-    async def drain(self, grace_s: float) -> None:
-        """Take no new work; wait up to grace_s for held assignments to finish and go out."""
-        self.host.drain()
+    async def drain(self, grace_s: float, handoff: bool = True) -> None:
+        """Take no new work; with `handoff` give the held assignments back to their
+        routers to continue elsewhere (core/worker.py), otherwise let them finish here;
+        wait up to grace_s for every one to end and its last frames to go out."""
+        self.host.drain(handoff)
         # A lost link stops its decodes, so whatever is held belongs to a live link.
         with trio.move_on_after(grace_s):
             while self.host.worker.holds() or self._outboxes_busy():

@@ -125,8 +125,9 @@ class WorkerHost:
         for event in events:
             self.feed(event)
 
-    def drain(self) -> None:
-        self.feed(Drain())
+    def drain(self, handoff: bool = True) -> None:
+        """No new work; with handoff, the routers are given the streams back."""
+        self.feed(Drain(handoff))
 
     def stop_all(self) -> None:
         """The host is going away: whatever it holds stops decoding now."""
