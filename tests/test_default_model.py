@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from adapters.bench.engine import transformers_model
-from adapters.engine.choose import GATE_TOKENS, choose, working_formats
+from adapters.engine.choose import GATE_TOKENS, choice_cache, choose, working_formats
 from adapters.engine.engine import Engine
 from adapters.engine.model import (
     DEFAULT_MODEL_NAME,
@@ -97,6 +97,18 @@ def test_the_quality_gate_scores_formats_against_fp32_and_the_choice_passes_it(
     assert choice.format == "fp32" or passes(scores, choice.format)
     assert choice.format in choice.reason and "ms at 1 row" in choice.reason
     assert any(line.startswith("CPU: torch kernels") for line in lines)
+    # The next start with the same model, machine, threads and code takes that decision
+    # as it is: it measures nothing (a busy moment cannot change its mind).
+    kept = choice_cache(first_load, 4)
+    assert kept.is_file() and kept != choice_cache(first_load, 8)
+    monkeypatch.setattr("adapters.engine.choose._measure", _no_measuring)
+    again = choose(first_load, 4, lines.append)
+    assert again.format == choice.format and "decided at an earlier start" in again.reason
+    assert str(kept) in again.reason
+
+
+def _no_measuring(*args: object) -> None:
+    raise AssertionError("measured again although the decision was kept")
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "w4a16"])

@@ -20,17 +20,29 @@ had AVX2 only), so nothing is assumed. At start:
 
 The choice and the figures behind it go to the log. On CUDA the answer is
 bf16 without measuring.
+
+A start on a busy machine can time a format at three times its quiet figure
+and choose a slower one for the server's whole life, so the decision is kept
+(`choice_cache`): keyed by the model file's content, the CPU's flags and
+torch's kernel level, the engine's threads, the batch rows and the code that
+builds and runs the formats (this file, the quantisers, the native kernel's
+source), and reused by every later start with the same key, which logs it
+as such. A changed key measures again; so does deleting the file, which the
+log names. `--weights` bypasses all of it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from adapters.engine.model import LoadedModel
+from adapters.engine.model import LoadedModel, cache_root, model_key
 from adapters.engine.spec import ModelSpec
 from adapters.engine.weights import FORMATS, activation_dtype, projection
 
@@ -131,16 +143,61 @@ def _step_s(loaded: LoadedModel, fmt: str, rows: int, repeats: int, layers: int 
     return best
 
 
+def code_key(*parts: str) -> str:
+    """A short hash of the code that makes the weight formats (the quantisers, the
+    native kernel's source) and of `parts`."""
+    from adapters.engine import native, weights
+
+    digest = hashlib.sha256()
+    for path in (Path(weights.__file__), native.SOURCE):
+        digest.update(path.read_bytes())
+    for part in parts:
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+def choice_cache(loaded: LoadedModel, rows: int) -> Path:
+    """Where the decision for this model, machine, thread count and code is kept."""
+    from adapters.engine.native import cpu_flags as every_flag
+
+    machine = " ".join(sorted(every_flag()))
+    trials = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()  # how it measures
+    key = code_key(machine, torch.backends.cpu.get_cpu_capability(),
+                   str(torch.get_num_threads()), str(rows), torch.__version__, trials)  # fmt: skip
+    return cache_root() / "quality" / f"choice-{model_key(loaded)}-{key}.json"
+
+
 def choose(loaded: LoadedModel, rows: int, say: Say) -> Choice:
     device = loaded.device
     if device.type != "cpu":
         return Choice("bf16", f"bf16 on {device.type}")
-    from adapters.engine.quality import GATE, passes, perplexities
-
     capability = torch.backends.cpu.get_cpu_capability()
-    working = working_formats(device, loaded.spec)
     say(f"CPU: torch kernels {capability}; flags {' '.join(cpu_flags()) or 'none of note'}")
     say(native_status(loaded.spec))
+    path = choice_cache(loaded, rows)
+    try:
+        kept = json.loads(path.read_text())
+        return Choice(
+            str(kept["format"]),
+            f"{kept['reason']}; decided at an earlier start with this model, CPU, thread "
+            f"count and code (kept in {path}: delete it to measure again)",
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # not decided yet here (or an unreadable file): measure
+    choice = _measure(loaded, rows, say)
+    try:  # a read-only cache (a baked image) is no reason not to serve
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"format": choice.format, "reason": choice.reason}))
+    except OSError as error:
+        say(f"could not keep the weight-format decision in {path}: {error.strerror}")
+    return choice
+
+
+def _measure(loaded: LoadedModel, rows: int, say: Say) -> Choice:
+    """The quality gate and the speed trials, and the format they choose."""
+    from adapters.engine.quality import GATE, passes, perplexities
+
+    working = working_formats(loaded.device, loaded.spec)
     quality = perplexities(loaded, [f for f in working if f != "fp32"], GATE_TOKENS, say)
     passing = [f for f in working if passes(quality, f)]
     one = {fmt: decode_step_s(loaded, fmt, 1) for fmt in passing}

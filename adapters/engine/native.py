@@ -53,13 +53,6 @@ class NativeUnavailable(RuntimeError):
     """The native path cannot run here (the message says why)."""
 
 
-@cache
-def source_key() -> str:
-    """A short hash of native.c: measurements of the native format (the quality gate's
-    cache) are kept per kernel source, so a changed kernel is measured again."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-
-
 class Mat(ctypes.Structure):
     _fields_ = [
         ("out", ctypes.c_int32),

@@ -146,13 +146,15 @@ def perplexities(
 
 
 def cache_name(fmt: str) -> str:
-    """The gate cache's key for a format: the native format's includes its kernel
-    source's hash, so results of an older kernel are not taken for this one's."""
-    if fmt == "w4a16":
-        from adapters.engine.native import source_key
+    """The gate cache's key for a format: its name and a hash of the code that makes
+    it (the quantisers, the native kernel's source), so a changed quantiser or kernel
+    is scored again instead of reusing an older one's perplexity. (fp32 is the
+    reference, kept by name.)"""
+    if fmt == "fp32":
+        return fmt
+    from adapters.engine.choose import code_key
 
-        return f"{fmt}-{source_key()}"
-    return fmt
+    return f"{fmt}-{code_key()}"
 
 
 def passes(perplexity_of: dict[str, float], fmt: str) -> bool:
