@@ -90,7 +90,6 @@ class RequestRecord:
     # While a handoff's continuation is offered and not yet accepted: the worker that
     # handed the stream off and its attempt, still decoding there (see above).
     handoff: tuple[str, Assignment] | None = None
-    handoffs: int = 0  # continuations started by a draining worker's handoff
 
     def context(self) -> Chain:
         """What the next attempt prefills (prompt, then what the client has)."""
@@ -189,16 +188,13 @@ class Requests:
             req.phase = REQUEST.next(req.phase, E.HANDED_OFF)
             req.handoff = (worker_id, assignment)
             req.finish = None
-            req.handoffs += 1
             self.handoffs += 1
             self._offer(req, placement, out)
 
     def on_finished(self, worker_id: str, finished: Finished, out: list[RouterEffect]) -> None:
         req = self.records.get(finished.assignment.request_id)
         if req is not None and req.handoff == (worker_id, finished.assignment):
-            # The attempt handed off ended there: nothing to go back to any more.
-            req.handoff = None
-            self.fleet.release(worker_id, finished.assignment)
+            self._let_go(req)  # the attempt handed off ended there: nothing to go back to
             return
         req = self._fence(worker_id, finished.assignment)
         if req is None:

@@ -197,7 +197,6 @@ class _Tally:
     resumes: int = 0
     full_retries: int = 0  # of those, declined for want of a slot (several routers)
     full_resumes: int = 0
-    handoffs: int = 0  # continuations a draining worker's HandOff started (no resume)
 
 
 class Oracles:
@@ -388,8 +387,7 @@ class Oracles:
         context = len(offer.request.prompt_token_ids) + len(offer.request.output_prefix)
         tally.attempts.append(_Attempt(offer.assignment, worker_id, now, context, progress_at=now))
         handed = self.router.handed_off(rid)
-        if handed is not None:
-            tally.handoffs += 1  # spends no resume; the old attempt runs until it is accepted
+        if handed is not None:  # a handoff spends no resume; the old attempt runs on
             self._handing_off[rid] = (*handed, offer.assignment)
         elif self.streams[rid].tokens:
             tally.resumes += 1

@@ -38,6 +38,13 @@ UNAUTHORIZED = OpenAIError(
     "invalid_api_key",
 )
 REFUSAL_BODY = msgspec.json.encode(UNAUTHORIZED.body())  # every 401's body, wherever refused
+# ... and its headers, the same from the front door (front.py) and the ASGI check
+REFUSAL_HEADERS = (
+    (b"content-type", b"application/json"),
+    (b"content-length", str(len(REFUSAL_BODY)).encode()),
+    (b"www-authenticate", b'Bearer realm="fencepost"'),
+    (b"connection", b"close"),  # its body, if any, is never read
+)
 
 
 class ApiKeyError(ValueError):

@@ -33,7 +33,6 @@ task per connection, and on shutdown a grace period for open responses.
 from __future__ import annotations
 
 import email.utils
-import math
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -48,12 +47,15 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import repr_socket_addr, wrap_app
 
-from adapters.openai.auth import REFUSAL_BODY, ApiKeys
+from adapters.openai.auth import REFUSAL_BODY, REFUSAL_HEADERS, ApiKeys
 
 HEAD_LIMIT = 64 * 1024  # above h11's 16 KiB for an incomplete head: a longer one
 # that arrives whole is taken by h11, and padding must not get past the door
 LINGER_BYTES = 64 * 1024
 LINGER_S = 1.0
+_STATUS_AND_HEADERS = b"HTTP/1.1 401 Unauthorized\r\n" + b"".join(
+    name + b": " + value + b"\r\n" for name, value in REFUSAL_HEADERS
+)
 
 
 def request_path(head: bytes) -> tuple[str, bytes | None] | None:
@@ -122,7 +124,6 @@ class FrontDoor:
         self._on_refused = on_refused
         self._head_timeout_s = head_timeout_s
         self._date = (0, b"")
-        self.refused = 0
 
     def refuses(self, head: bytes) -> bool:
         """Whether this request head is one the application would refuse with 401."""
@@ -136,14 +137,8 @@ class FrontDoor:
         second = int(time.time())
         if self._date[0] != second:  # the Date header, formatted once a second
             self._date = (second, email.utils.formatdate(second, usegmt=True).encode())
-        body = REFUSAL_BODY
-        return b"".join((
-            b"HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\n",
-            b"content-length: %d\r\n" % len(body),
-            b'www-authenticate: Bearer realm="fencepost"\r\nconnection: close\r\n',
-            b"date: " + self._date[1] + b"\r\nserver: fencepost\r\n\r\n",
-            body,
-        ))  # fmt: skip
+        date = b"date: " + self._date[1] + b"\r\nserver: fencepost\r\n\r\n"
+        return _STATUS_AND_HEADERS + date + REFUSAL_BODY
 
     async def first_request(self, stream: trio.SocketStream) -> bytes | None:
         """The bytes to hand on, or None when the connection was refused or ended."""
@@ -160,7 +155,6 @@ class FrontDoor:
             head = received.split(b"\r\n\r\n", 1)[0]
             if b"\r\n\r\n" not in received or not self.refuses(head):
                 return received
-            self.refused += 1
             self._on_refused()
             try:
                 await stream.send_all(self._answer())
@@ -231,9 +225,6 @@ async def serve_http(
                 await shutdown_trigger()
                 accepting.cancel_scope.cancel()  # no new connections
             await context.terminated.set()  # keep-alive connections close after their response
-            grace = config.graceful_timeout
-            connections.cancel_scope.deadline = trio.current_time() + (
-                grace if math.isfinite(grace) else math.inf
-            )
+            connections.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
         await lifespan.wait_for_shutdown()
         lifespan_nursery.cancel_scope.cancel()

@@ -48,7 +48,7 @@ from adapters.openai.answers import (
     Choice,
     CompletionAnswer,
 )
-from adapters.openai.auth import REFUSAL_BODY, ApiKeys
+from adapters.openai.auth import REFUSAL_BODY, REFUSAL_HEADERS, ApiKeys
 from adapters.openai.egress import ClientLimits, ClientOverflow, ClientQueue
 from adapters.openai.errors import OpenAIError, from_outcome, invalid
 from adapters.openai.metrics import Metrics
@@ -162,15 +162,9 @@ class FencepostApp:
 
     async def _refuse(self, send: Any) -> None:
         """401 before Quart: no body read, nothing built, nothing sent on (auth.py)."""
-        body = REFUSAL_BODY
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", b'Bearer realm="fencepost"'),
-            (b"connection", b"close"),  # its body, if any, is never read
-        ]
+        headers = list(REFUSAL_HEADERS)
         await send({"type": "http.response.start", "status": 401, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await send({"type": "http.response.body", "body": REFUSAL_BODY})
 
     def _build(self) -> QuartTrio:
         app = QuartTrio("fencepost")
