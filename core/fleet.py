@@ -92,6 +92,7 @@ class WorkerView(Struct, frozen=True):
     placed: int = 0  # attempts offered to this worker id
     cache: CacheReport | None = None  # its latest cache report, as received
     others: int = 0  # slots its last heartbeat counts as taken by other routers' work
+    health: Health = Health.HEALTHY  # healthy, stuck, silent or gone (`healthy` is its test)
 
 
 @dataclass(slots=True)
@@ -477,6 +478,7 @@ class Fleet:
                 placed=w.placed,
                 cache=w.cache,
                 others=w.others,
+                health=w.health,
             )
             for w in self.workers.values()
         )

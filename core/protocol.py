@@ -238,7 +238,11 @@ class CacheReport(Struct, frozen=True, array_like=True):
     correctness. prefill_rate is the worker's measured prefill speed in tokens
     per second (0: not measured yet); prompt_tokens and computed_tokens count,
     over the worker process's life, context tokens submitted for prefill and
-    those actually computed (the rest came from the cache).
+    those actually computed (the rest came from the cache). total_blocks,
+    free_blocks and cached_blocks say how the KV pool stands (cached: kept for
+    reuse, held by no sequence; the rest of the pool is held by running ones), for
+    dashboards; 0 and 0 from a worker that does not say. They come last, so a
+    router decodes an older worker's shorter report (upgrade routers first).
     """
 
     block_size: Positive
@@ -246,6 +250,9 @@ class CacheReport(Struct, frozen=True, array_like=True):
     prefill_rate: Annotated[float, Meta(ge=0.0, le=1e12)] = 0.0
     prompt_tokens: Count = 0
     computed_tokens: Count = 0
+    total_blocks: Count = 0
+    free_blocks: Count = 0
+    cached_blocks: Count = 0
 
 
 class Heartbeat(WireMessage, frozen=True):

@@ -40,6 +40,9 @@ same request id twice, a move no table has) raises RouterMisuse.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
+from itertools import islice
+from types import MappingProxyType
 from typing import Literal
 
 from msgspec import Struct, structs
@@ -68,7 +71,14 @@ from core.protocol import (
 from core.requests import Requests
 from core.states import Phase, RouterMisuse
 
-__all__ = ["Router", "RouterConfig", "RouterMisuse", "RouterStatistics", "WorkerView"]
+__all__ = [
+    "RequestView",
+    "Router",
+    "RouterConfig",
+    "RouterMisuse",
+    "RouterStatistics",
+    "WorkerView",
+]
 
 FenceReason = Literal[
     "late",  # names a request that is terminal or unknown
@@ -130,6 +140,20 @@ class RouterStatistics(Struct, frozen=True):
     handoffs_back: int = 0  # of those, failed before acceptance: back to the first worker
 
 
+class RequestView(Struct, frozen=True):
+    """One open request as the router holds it: a copy for dashboards, never a handle."""
+
+    request_id: str
+    phase: Phase
+    attempt: int  # attempts offered so far (1: the first offer); a resume is one more
+    resumes: int  # continuations after its first token
+    worker_id: str | None  # where its active attempt is placed, while it has one
+    delivered: int  # tokens the client has
+    max_new_tokens: int
+    prompt_tokens: int
+    handed_off_by: str | None = None  # a draining worker whose stream this continues
+
+
 class Router:
     def __init__(self, config: RouterConfig | None = None, router_id: str | None = None) -> None:
         """router_id, when given, replaces the config's (one config, several routers)."""
@@ -183,6 +207,10 @@ class Router:
                 raise RouterMisuse(f"router cannot handle {event!r}")
         requests.dispatch_queue(out)
         return out
+
+    def fence_counts(self) -> Mapping[str, int]:
+        """Messages fenced so far, by reason (a live, read-only view: cheap to poll)."""
+        return MappingProxyType(self._fenced)
 
     def statistics(self) -> RouterStatistics:
         requests = self.requests
@@ -267,3 +295,21 @@ class Router:
     def holders(self, request_id: str) -> list[str]:
         """Workers on which the router counts a live hold (offered, held, missing) for it."""
         return self.fleet.live_holders(request_id)
+
+    def open_requests(self, limit: int | None = None) -> tuple[RequestView, ...]:
+        """The requests not yet terminal, oldest first (at most `limit` of them)."""
+        records = self.requests.records.values()
+        return tuple(
+            RequestView(
+                request_id=req.request.request_id,
+                phase=req.phase,
+                attempt=req.attempt,
+                resumes=req.resumes,
+                worker_id=req.worker_id,
+                delivered=req.delivered,
+                max_new_tokens=req.request.max_new_tokens,
+                prompt_tokens=len(req.request.prompt_token_ids),
+                handed_off_by=None if req.handoff is None else req.handoff[0],
+            )
+            for req in islice(records, limit)
+        )

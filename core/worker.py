@@ -59,8 +59,9 @@ running here.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import KeysView
+from collections.abc import KeysView, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from msgspec import Struct
 
@@ -235,6 +236,10 @@ class Worker:
     def holds(self) -> KeysView[Assignment]:
         """The assignments that occupy a slot right now (a live, read-only view)."""
         return self._active.keys()
+
+    def fence_counts(self) -> Mapping[str, int]:
+        """Messages fenced so far, by reason (a live, read-only view: cheap to poll)."""
+        return MappingProxyType(self._fenced)
 
     def statistics(self) -> WorkerStatistics:
         return WorkerStatistics(

@@ -194,6 +194,9 @@ class Cluster:
         self.clock = clock or Clock()
         self.on_send = on_send or self.in_flight_append
         self.trace = trace
+        # Told of every delivery to a client (router id, the delivery): a timeline.
+        self.on_deliver: Callable[[str, DeliverToken | DeliverFinished | DeliverError], None]
+        self.on_deliver = lambda router_id, delivery: None
         self.disturbances = disturbances
         self.router_config = router_config or RouterConfig()
         self.shared = routers > 1  # several routers share the workers
@@ -279,6 +282,23 @@ class Cluster:
 
     def live_routers(self) -> list[str]:
         return list(self.nodes)
+
+    def router_place(self, router_id: str) -> str:
+        """The place (address) of a router incarnation, live or gone."""
+        node = self.nodes.get(router_id)
+        if node is None:
+            node = next(n for n in self.all_nodes if n.router_id == router_id)
+        return node.name
+
+    def fences_at(self, packet: Packet) -> dict[str, int] | None:
+        """The fence counts of the machine this packet goes to (None: it is gone, so
+        the packet vanishes), to tell afterwards whether it was fenced and why."""
+        if packet.to is None:
+            node = self.nodes.get(packet.router)
+            return None if node is None else dict(node.router.fence_counts())
+        if packet.to in self.down or packet.router not in self.nodes:
+            return None
+        return dict(self.workers[packet.to].fence_counts())
 
     def wants(self, worker_id: str, assignment: Assignment) -> bool | None:
         """Does the assignment's router want it on this worker? None: its router is
@@ -759,6 +779,7 @@ class Cluster:
                 self._timers[node.owner].pop(key, None)
             case DeliverToken() | DeliverFinished() | DeliverError():
                 self._record_delivery(node, effect)
+                self.on_deliver(node.router_id, effect)
 
     def _record_delivery(
         self, node: RouterNode, effect: DeliverToken | DeliverFinished | DeliverError

@@ -104,12 +104,16 @@ class KvModel:
             self.release(key)
 
     def report(self) -> CacheReport:
+        manager = self.manager
         return CacheReport(
             self.block_size,
-            self.manager.summary(SUMMARY_KEYS),
+            manager.summary(SUMMARY_KEYS),
             0.0,
             self.prompt_tokens,
             self.computed_tokens,
+            manager.num_blocks,
+            manager.free_blocks(),
+            manager.cached_blocks(),
         )
 
 

@@ -155,6 +155,13 @@ class Disturbances:
         ends = (float(i[1]) for i in self._intervals[worker_id])
         self._quiet_after[worker_id] = max(ends, default=-math.inf)
 
+    def intervals(self) -> dict[str, list[tuple[float, float, str]]]:
+        """Every interval so far, per worker: (start, end, kind)."""
+        return {
+            w: [(float(s), float(e), str(k)) for s, e, k in intervals]
+            for w, intervals in self._intervals.items()
+        }
+
     def note(self, kind: str) -> None:
         """A kind that struck the whole network rather than one worker (delay spread)."""
         self.kinds.add(kind)

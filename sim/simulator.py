@@ -41,11 +41,20 @@ from random import Random
 
 from core.batching import BatchLimits, StepPlan
 from core.fake_model import VOCAB
-from core.protocol import GenerationRequest, Heartbeat, Sampling, Token
+from core.protocol import (
+    DeliverError,
+    DeliverFinished,
+    DeliverToken,
+    GenerationRequest,
+    Heartbeat,
+    Sampling,
+    Token,
+)
 from core.router import RouterConfig
 from sim.clock import Clock
 from sim.cluster import MISBEHAVIOURS, Cluster, InvariantViolation, Packet
 from sim.oracles import Disturbances
+from sim.timeline import Timeline
 
 FAULT_KINDS = (
     "delay_spread",  # wide per-message delays: heavy reordering
@@ -273,6 +282,7 @@ class Simulation:
         trace: bool = False,
         trace_tail: int = 40,
         echo: bool = False,
+        timeline: Timeline | None = None,
     ) -> None:
         self.seed = seed
         self.scenario = (scenario or STANDARD).for_seed(seed)
@@ -353,6 +363,12 @@ class Simulation:
         self._router_down: dict[str, float] = {}  # router place -> when it comes back
         self._trace_on = trace
         self._worker_ids = worker_ids
+        self.timeline = timeline
+        if timeline is not None:
+            timeline.seed = seed
+            timeline.routers = list(self.cluster.router_names)
+            timeline.workers = list(worker_ids)
+            self.cluster.on_deliver = self._handed
         self._plan_clients()
         self._plan_faults(worker_ids)
         for at, which, downtime in self.router_faults.crashes:
@@ -404,6 +420,8 @@ class Simulation:
             violation = f"safety: {error}"
         except Exception as error:  # a machine raised: as much a finding as a bad delivery
             violation = f"crash: {type(error).__name__}: {error}"
+        if self.timeline is not None:
+            self._close_timeline(self.timeline, violation)
         return self._result(violation)
 
     def _arrive(self, client: int, request: GenerationRequest) -> None:
@@ -431,6 +449,11 @@ class Simulation:
             node = cluster.nodes[router_id]
             request = request.renamed(node.new_request_id())
         self._placed[client] = (router_id, request.request_id)
+        if self.timeline is not None:
+            place = cluster.router_place(router_id)
+            self.timeline.arrived(
+                _key(router_id, request.request_id), client, place, self.clock.now
+            )
         cluster.submit(request, router_id)
 
     def _client_cancel(self, client: int) -> None:
@@ -452,6 +475,9 @@ class Simulation:
             return  # keep one router up: a cluster with none serves nobody to judge
         [router_id] = [r for r in cluster.live_routers() if cluster.nodes[r].name == name]
         self._fault("router_crash", f"{router_id} for {downtime:.2f}s")
+        if self.timeline is not None:
+            now = self.clock.now
+            self.timeline.fault(f"router {name}", now, now + downtime, "router_crash")
         self.disturbances.note("router_crash")  # no worker's disturbance: none is touched
         node = cluster.nodes[router_id]
         cut = [s for s in node.streams.values() if s.outcome is None]
@@ -624,43 +650,100 @@ class Simulation:
         if delay > self._slow_packet_s:
             self._disturb(worker_id, "slow_packet", delay)
         if self.healed:
-            self.clock.schedule(self.clock.now + delay, self._deliver, packet)
+            self.clock.schedule(self.clock.now + delay, self._deliver, packet, self._sent(packet))
             return
         if rng.random() < swarm.loss_rate:
             self._fault("loss", _brief(packet))
             self._disturb(worker_id, "loss", 0.0)
+            if self.timeline is not None:
+                self.timeline.lost(self._sent(packet), self.clock.now)
             return
+        copy = ""
         if rng.random() < swarm.late_rate:
             delay += rng.uniform(0.5, 3.0)
             self._fault("late", _brief(packet))
             self._disturb(worker_id, "late", delay)
-        self.clock.schedule(self.clock.now + delay, self._deliver, packet)
+            copy = "late"
+        self.clock.schedule(self.clock.now + delay, self._deliver, packet, self._sent(packet, copy))
         if rng.random() < swarm.duplicate_rate:
             self._fault("duplicate", _brief(packet))
             extra = rng.uniform(swarm.delay_min_s, swarm.delay_max_s * 2)
             self._disturb(worker_id, "duplicate", extra)
-            self.clock.schedule(self.clock.now + extra, self._deliver, packet)
+            flight = self._sent(packet, "duplicate")
+            self.clock.schedule(self.clock.now + extra, self._deliver, packet, flight)
         if self._history and rng.random() < swarm.replay_rate:
             old = self._history[rng.randrange(len(self._history))]
             self._fault("replay", _brief(old))
             later = rng.uniform(0.01, 2.0)
             self._disturb(_worker_of(old), "replay", later)
-            self.clock.schedule(self.clock.now + later, self._deliver, old)
+            self.clock.schedule(
+                self.clock.now + later, self._deliver, old, self._sent(old, "replay")
+            )
         self._history.append(packet)
 
-    def _deliver(self, packet: Packet) -> None:
+    def _deliver(self, packet: Packet, flight: int = -1) -> None:
         worker_id = _worker_of(packet)
         direction = "from_worker" if packet.to is None else "to_worker"
         if self._cut(worker_id, direction):
             self._fault("partition_drop", _brief(packet))
+            self._landed(flight, "cut by a partition")
             return
         if packet.to is not None and self.cluster.is_paused(packet.to):
             # A stalled process reads its socket only when it resumes.
-            self.clock.schedule(self._resume_at[packet.to], self._deliver, packet)
+            self.clock.schedule(self._resume_at[packet.to], self._deliver, packet, flight)
             return
         if "overtake" not in self.disturbances.kinds and not isinstance(packet.message, Token):
             self._note_overtake(packet, (worker_id, packet.router, direction))
+        if self.timeline is None:
+            self.cluster.deliver_packet(packet)
+            return
+        before = self.cluster.fences_at(packet)
         self.cluster.deliver_packet(packet)
+        after = self.cluster.fences_at(packet) if before is not None else None
+        if before is None:
+            self._landed(flight, "gone: its process or router had died")
+        else:
+            machine = "router" if packet.to is None else "worker"
+            fenced = [f"{machine}.{k}" for k, n in (after or {}).items() if n > before.get(k, 0)]
+            self._landed(flight, "fenced " + ", ".join(fenced) if fenced else "delivered")
+
+    # --- the timeline (only with one: nothing here draws from the run's random streams) ---
+
+    def _sent(self, packet: Packet, copy: str = "") -> int:
+        """The timeline's flight for one copy of a packet leaving now (-1: none kept)."""
+        timeline = self.timeline
+        if timeline is None:
+            return -1
+        place = f"router {self.cluster.router_place(packet.router)}"
+        source, target = (place, packet.to) if packet.to is not None else (packet.source, place)
+        about = getattr(packet.message, "assignment", None)
+        request = None if about is None else _key(packet.router, about.request_id)
+        return timeline.sent(self.clock.now, source, target, packet.message, request, copy)
+
+    def _landed(self, flight: int, fate: str) -> None:
+        if self.timeline is not None and flight >= 0:
+            self.timeline.landed(flight, self.clock.now, fate)
+
+    def _handed(
+        self, router_id: str, delivery: DeliverToken | DeliverFinished | DeliverError
+    ) -> None:
+        assert self.timeline is not None
+        match delivery:
+            case DeliverToken():
+                what = "token"
+            case DeliverFinished(reason=reason) | DeliverError(kind=reason):
+                what = reason
+        self.timeline.handed(_key(router_id, delivery.request_id), self.clock.now, what)
+
+    def _close_timeline(self, timeline: Timeline, violation: str | None) -> None:
+        now = self.clock.now
+        timeline.end_s = now
+        timeline.swarm = ", ".join(sorted(self.swarm.enabled)) or "no faults"
+        for worker_id, intervals in self.disturbances.intervals().items():
+            for start, end, kind in intervals:
+                timeline.fault(worker_id, start, end, kind)
+        if violation is not None:
+            timeline.failed(violation, now)
 
     def _note_overtake(self, packet: Packet, link: tuple[str, str, str]) -> None:
         """Each message draws its own delay, so even a quiet link reorders two messages
@@ -962,6 +1045,11 @@ class Simulation:
             trace_hash=self._hash.hexdigest() if self._hash is not None else None,
             trace_tail=list(self._tail),
         )
+
+
+def _key(router_id: str, request_id: str) -> str:
+    """A request's name across routers (their ids collide): "r3", or "a1:r3"."""
+    return f"{router_id}:{request_id}" if router_id else request_id
 
 
 def _worker_of(packet: Packet) -> str:

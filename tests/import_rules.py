@@ -31,7 +31,7 @@ CORE_FORBIDDEN = frozenset(
 CORE_ALLOWED = frozenset(
     {
         "__future__", "typing", "enum", "dataclasses", "collections", "abc", "functools",
-        "itertools", "heapq", "bisect", "math", "hashlib", "msgspec", "core",
+        "itertools", "heapq", "bisect", "math", "hashlib", "types", "msgspec", "core",
     }
 )  # fmt: skip
 SIM_ALLOWED_PACKAGES = frozenset({"core", "sim"})

@@ -152,7 +152,10 @@ def test_serve_reads_a_key_file_says_it_is_guarded_and_refuses_a_bad_file(
         processes.append(fencepost("serve", "--fake", "--port", "0", "--api-key-file", str(keys)))
         log = LogWatcher(processes[0])
         port = log.find(r"serving \S+ on http://127\.0\.0\.1:(\d+)/v1")[1]
-        log.find(r"the OpenAI port needs an API key \(1 configured\); /metrics behind the key")
+        log.find(
+            r"the OpenAI port needs an API key \(1 configured\); "
+            r"/metrics and /dashboard\.json behind the key"
+        )
         base = f"http://127.0.0.1:{port}"
         assert requests.get(f"{base}/v1/models", timeout=10).status_code == 401
         client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)

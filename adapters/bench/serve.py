@@ -17,6 +17,9 @@ Every request is greedy (temperature 0) so every system does the same work.
 --url http://127.0.0.1:PORT drives a server already running on this machine
 (`fencepost cluster`, say) instead of starting one: the same clients and rows,
 the model the server lists first, no engine comparison and no baselines.
+
+--plot FILE.png draws the rows, peers' beside fencepost's, once the run is over
+(adapters/bench/plot.py).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class ServeLoad:
     threads: int | None
     peer_llama_cpp: str | None = None  # a Python with llama-cpp-python[server] installed
     url: str | None = None  # drive the server there instead of starting one
+    plot: Path | None = None  # a PNG of the rows (adapters/bench/plot.py), written at the end
 
     @property
     def top(self) -> int:
@@ -207,7 +211,9 @@ def main(load: ServeLoad) -> int:
           f" per client, greedy; {os.cpu_count()} CPUs; torch threads {load.threads or 'default'};"
           f" logs in {logs}", flush=True)  # fmt: skip
     if load.url is not None:
-        report(load, measure_running(load, load.url), [], None)
+        served = measure_running(load, load.url)
+        report(load, served, [], None)
+        plot(load, served.rows)
         return 0
     served = measure_fencepost(load, logs)
     engine_rate, threads = (None, None) if load.fake else engine_only(load)
@@ -215,7 +221,21 @@ def main(load: ServeLoad) -> int:
     if load.peer_llama_cpp and not load.fake:
         base_rows += llama_cpp_rows(load, logs, threads)
     report(load, served, base_rows, engine_rate)
+    plot(load, [*served.rows, *base_rows])
     return 0
+
+
+def plot(load: ServeLoad, rows: list[Level]) -> None:
+    """The rows as a PNG, when --plot asked for one (matplotlib was checked at the start)."""
+    if load.plot is None:
+        return
+    from adapters.bench.plot import write_plot
+
+    model = "fake model" if load.fake else load.model_path or "default model"
+    title = (f"fencepost bench serve: {model}, {load.tokens} tokens per request, "
+             f"{load.rounds} request(s) per client, greedy")  # fmt: skip
+    write_plot(rows, load.plot, title)
+    print(f"  plot: {load.plot}", flush=True)
 
 
 def measure_running(load: ServeLoad, url: str) -> Served:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,11 +96,19 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
         help="drive a server already running here (e.g. fencepost cluster) instead of "
         "starting one",
     )  # fmt: skip
+    parser.add_argument(
+        "--plot", type=Path, default=None, metavar="FILE.png",
+        help="afterwards, write a PNG of tokens/s, TTFT and ITL (p50/p90/p99) against "
+        "concurrency, any peers beside fencepost (needs fencepost[plot]: matplotlib)",
+    )  # fmt: skip
 
 
 def _serve(args: argparse.Namespace) -> int:
     from adapters.bench import serve
 
+    if args.plot is not None and (problem := _plot_problem(args.plot)) is not None:
+        print(f"fencepost bench serve: {problem}", file=sys.stderr, flush=True)
+        return 2
     load = serve.ServeLoad(
         model_path=args.model,
         fake=args.fake,
@@ -112,8 +121,22 @@ def _serve(args: argparse.Namespace) -> int:
         threads=args.threads,
         peer_llama_cpp=args.peer_llama_cpp,
         url=args.url,
+        plot=args.plot,
     )
     return serve.main(load)
+
+
+def _plot_problem(path: Path) -> str | None:
+    """Why --plot could not write its file, found before the run rather than after it."""
+    from adapters.bench import plot
+
+    try:
+        plot.require()
+    except plot.PlotUnavailable as error:
+        return str(error)
+    if not path.parent.is_dir():
+        return f"--plot {path}: the folder {path.parent} does not exist"
+    return None
 
 
 def _drill_flags(parser: argparse.ArgumentParser) -> None:

@@ -118,7 +118,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     keys = add_key_arguments(parser)
     keys.add_argument(
         "--metrics-public", action="store_true",
-        help="serve /metrics without a key (default: behind the key once one is set)",
+        help="serve /metrics and /dashboard.json (the live page's data) without a key "
+        "(default: behind the key once one is set)",
     )  # fmt: skip
     add_tls_arguments(parser, "--worker-listen")
     parser.add_argument(
@@ -290,7 +291,10 @@ def _say_who_may_enter(options: ServeOptions, keys: ApiKeys, port: int) -> None:
         )  # fmt: skip
     else:
         shown = "public" if keys.metrics_public else "behind the key"
-        log.info("the OpenAI port needs an API key (%d configured); /metrics %s", len(keys), shown)
+        log.info(
+            "the OpenAI port needs an API key (%d configured); /metrics and /dashboard.json %s",
+            len(keys), shown,
+        )  # fmt: skip
     if options.worker_listen is not None:
         if options.tls is None:
             log.warning(

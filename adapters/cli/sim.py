@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections import Counter
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from adapters.cli import natural, positive
@@ -27,6 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     which.add_argument("--seeds", type=positive, metavar="COUNT", help="sweep COUNT seeds")
     parser.add_argument("--start", type=natural, default=0, help="first seed of a sweep")
     parser.add_argument("--trace", action="store_true", help="print every event of the run")
+    parser.add_argument(
+        "--html",
+        type=Path,
+        metavar="FILE",
+        default=None,
+        help="with --seed: write the run as a timeline, one self-contained HTML file "
+        "(lanes for clients, routers and workers; messages, faults, the violation)",
+    )
     parser.add_argument("--workers", type=positive, default=None)
     parser.add_argument("--requests", type=positive, default=None)
     parser.add_argument(
@@ -60,18 +69,28 @@ def run(args: argparse.Namespace) -> int:
             routers=args.routers or 1,
         )
     if args.seed is not None:
-        return run_one(args.seed, scenario, args.trace)
+        return run_one(args.seed, scenario, args.trace, args.html)
+    if args.html is not None:
+        print("fencepost sim: --html draws one run: give --seed, not --seeds")
+        return 2
     return run_sweep(args.start, args.seeds, scenario, args.determinism_every, args.coverage)
 
 
-def run_one(seed: int, scenario: Scenario, trace: bool) -> int:
+def run_one(seed: int, scenario: Scenario, trace: bool, html: Path | None = None) -> int:
     from sim.simulator import Simulation
+    from sim.timeline import Timeline
 
     print(f"root seed {seed}")
-    simulation = Simulation(seed, scenario, trace=trace, echo=trace)
+    timeline = Timeline() if html is not None else None
+    simulation = Simulation(seed, scenario, trace=trace, echo=trace, timeline=timeline)
     print(f"swarm: {_swarm_line(simulation)}")
     result = simulation.run()
     _print_result_line(result)
+    if timeline is not None and html is not None:
+        from adapters.cli import timeline as page
+
+        size = page.write(timeline.data(), html)
+        print(f"timeline: {html} ({size / 1e6:.1f} MB; open it in a browser)")
     if not result.ok:
         _print_failure(result, scenario, show_tail=not trace)
         return 1

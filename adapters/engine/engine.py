@@ -213,7 +213,8 @@ class Engine:
         self._prompt_tokens = 0  # context tokens submitted for prefill, recomputes included
         self._computed_tokens = 0  # of those, prefilled (not found cached)
         self._prefill_rate = 0.0  # tokens/s, moving average over steps that prefilled
-        self._report = CacheReport(block_size)
+        pool = self.blocks.num_blocks
+        self._report = CacheReport(block_size, total_blocks=pool, free_blocks=pool)
         self._keys_at = -KEYS_EVERY_S  # when the report's keys were last listed
         self._grammars = None if grammar_tokenizer is None else Grammars(grammar_tokenizer)
 
@@ -335,12 +336,16 @@ class Engine:
         keys = self._report.keys
         if ended - self._keys_at >= KEYS_EVERY_S:
             keys, self._keys_at = self.blocks.summary(REPORTED_KEYS), ended
+        blocks = self.blocks
         self._report = CacheReport(
-            self.blocks.block_size,
+            blocks.block_size,
             keys,
             self._prefill_rate,
             self._prompt_tokens,
             self._computed_tokens,
+            blocks.num_blocks,
+            blocks.free_blocks(),
+            blocks.cached_blocks(),
         )
         return events
 

@@ -10,9 +10,12 @@ nor its timing says how much of a key was right or how many keys there are.
 Every refusal gets the same 401 (code `invalid_api_key`, whatever was wrong:
 no header, another scheme, an unknown key).
 
-/health and /live stay open for probes; /metrics is open only when the operator says
-so (`--metrics-public`). With no key configured the port is open to anyone
-who reaches it, and the server says so at start.
+/health and /live stay open for probes, and /dashboard (a static page with no data
+in it: its script asks /dashboard.json, sending the key the viewer types in). The
+figures, /metrics and /dashboard.json, are open only when the operator says so
+(`--metrics-public`). The front door (front.py) and the ASGI check both ask
+`needs_key`, so the two agree on every path. With no key configured the port is
+open to anyone who reaches it, and the server says so at start.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import msgspec
 from adapters.openai.errors import OpenAIError
 
 ENV_KEYS = "FENCEPOST_API_KEYS"  # keys separated by commas or whitespace
-OPEN_PATHS = frozenset({"/health", "/live"})  # what probes ask for
+OPEN_PATHS = frozenset({"/health", "/live", "/dashboard"})  # probes; a page with no data
+FIGURE_PATHS = frozenset({"/metrics", "/dashboard.json"})  # open with --metrics-public
 
 UNAUTHORIZED = OpenAIError(
     401,
@@ -74,7 +78,7 @@ class ApiKeys:
         """Whether a request for `path` must show a key."""
         if self.open or path in OPEN_PATHS:
             return False
-        return not (path == "/metrics" and self.metrics_public)
+        return not (self.metrics_public and path in FIGURE_PATHS)
 
     def admits(self, authorization: bytes | None) -> bool:
         """Whether an Authorization header's value carries an accepted key."""

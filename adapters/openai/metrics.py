@@ -1,4 +1,11 @@
-"""Prometheus metrics for the HTTP boundary, in a registry of their own (one per app)."""
+"""Prometheus metrics for the HTTP boundary, in a registry of their own (one per app).
+
+Counters and histograms are counted here as requests pass; every gauge is read from
+`controller.statistics()` at scrape time (`render`), so /metrics shows what the
+router holds now and nothing has to be kept in step. Per-worker gauges are rebuilt
+on each scrape from the router's worker views. deploy/grafana/fencepost.json charts
+these series, and tests/test_grafana.py holds it to them.
+"""
 
 from __future__ import annotations
 
@@ -72,6 +79,56 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.fenced = Gauge(
+            "fencepost_fenced_messages",
+            "Worker messages the router dropped and counted, by reason (duplicate, gap, "
+            "stale_attempt, late, wrong_worker, stale_heartbeat, ...), since it started",
+            ["reason"],
+            registry=r,
+        )
+        self.worker_healthy = Gauge(
+            "fencepost_worker_healthy",
+            "1 while the router counts the worker healthy (heartbeating, not stuck), else 0",
+            ["worker"],
+            registry=r,
+        )
+        self.worker_epoch = Gauge(
+            "fencepost_worker_epoch",
+            "The epoch the router knows the worker by; it grows when the worker restarts",
+            ["worker"],
+            registry=r,
+        )
+        self.worker_capacity = Gauge(
+            "fencepost_worker_capacity_slots",
+            "Slots the worker has, as its last heartbeat says",
+            ["worker"],
+            registry=r,
+        )
+        self.worker_held = Gauge(
+            "fencepost_worker_slots_held",
+            "Slots on the worker that this router's attempts hold, as the router counts them",
+            ["worker"],
+            registry=r,
+        )
+        self.worker_free = Gauge(
+            "fencepost_worker_reported_free_slots",
+            "Slots the worker's last heartbeat reported free (for any router)",
+            ["worker"],
+            registry=r,
+        )
+        self.kv_blocks = Gauge(
+            "fencepost_kv_blocks",
+            "The worker's KV pool as its last cache report says: blocks held by running "
+            "sequences (used), kept for prefix reuse by none (cached), and free",
+            ["worker", "state"],
+            registry=r,
+        )
+        self.cache_block_size = Gauge(
+            "fencepost_prefix_cache_block_size_tokens",
+            "Tokens per KV block in the worker's cache report",
+            ["worker"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "fencepost_time_to_first_token_seconds",
             "From request arrival to its first token",
@@ -96,10 +153,36 @@ class Metrics:
         back = stats.router.handoffs_back
         self.handoffs.labels("continued").set(stats.router.handoffs - back)
         self.handoffs.labels("back").set(back)
+        for reason, count in stats.router.fenced.items():
+            self.fenced.labels(reason).set(count)
+        per_worker = (
+            self.worker_healthy,
+            self.worker_epoch,
+            self.worker_capacity,
+            self.worker_held,
+            self.worker_free,
+            self.kv_blocks,
+            self.cache_block_size,
+        )
+        for gauge in per_worker:
+            gauge.clear()  # only the workers the router knows now, with what it knows now
         submitted = computed = 0
         for worker in stats.router.workers:
-            self.worker_requests.labels(worker.worker_id).set(worker.placed)
+            wid = worker.worker_id
+            self.worker_requests.labels(wid).set(worker.placed)
+            self.worker_healthy.labels(wid).set(int(worker.healthy))
+            self.worker_epoch.labels(wid).set(worker.epoch)
+            self.worker_capacity.labels(wid).set(worker.slots)
+            self.worker_held.labels(wid).set(worker.held)
+            self.worker_free.labels(wid).set(worker.reported_free_slots)
             if worker.cache is not None:
+                cache = worker.cache
+                if cache.total_blocks:  # 0: a worker whose report does not say
+                    held = cache.total_blocks - cache.free_blocks - cache.cached_blocks
+                    self.kv_blocks.labels(wid, "used").set(held)
+                    self.kv_blocks.labels(wid, "cached").set(cache.cached_blocks)
+                    self.kv_blocks.labels(wid, "free").set(cache.free_blocks)
+                self.cache_block_size.labels(wid).set(cache.block_size)
                 submitted += worker.cache.prompt_tokens
                 computed += worker.cache.computed_tokens
         self.prefill_tokens.labels("submitted").set(submitted)

@@ -1,5 +1,5 @@
 """The HTTP app: /v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health,
-/live, /metrics.
+/live, /metrics, /dashboard (with /dashboard.json, its data: dashboard.py).
 
 Served on Quart-trio. The three generating APIs differ only in the JSON they
 read (normalize.py, responses.py) and write (answers.py, response_answer.py);
@@ -49,6 +49,7 @@ from adapters.openai.answers import (
     CompletionAnswer,
 )
 from adapters.openai.auth import REFUSAL_BODY, REFUSAL_HEADERS, ApiKeys
+from adapters.openai.dashboard import DATA_HEADERS, PAGE, PAGE_HEADERS, Dashboard
 from adapters.openai.egress import ClientLimits, ClientOverflow, ClientQueue
 from adapters.openai.errors import OpenAIError, from_outcome, invalid
 from adapters.openai.metrics import Metrics
@@ -128,6 +129,8 @@ class FencepostApp:
         self.models = {m.id: m for m in models}
         self.limits = limits or HttpLimits()
         self.metrics = Metrics(controller)
+        self.dashboard = Dashboard(controller)
+        self._sampling = trio.CancelScope()
         self.store = ResponseStore(self.limits.store)
         self.created = int(time.time())
         self.quart = self._build()
@@ -183,6 +186,10 @@ class FencepostApp:
         app.add_url_rule("/health", view_func=self.health, methods=["GET"])
         app.add_url_rule("/live", view_func=self.live, methods=["GET"])
         app.add_url_rule("/metrics", view_func=self.render_metrics, methods=["GET"])
+        app.add_url_rule("/dashboard", view_func=self.dashboard_page, methods=["GET"])
+        app.add_url_rule("/dashboard.json", view_func=self.dashboard_data, methods=["GET"])
+        app.before_serving(self._start_sampling)
+        app.after_serving(self._sampling.cancel)
         app.register_error_handler(HTTPException, self.http_error)
         app.register_error_handler(Exception, self.internal_error)
         return app
@@ -231,6 +238,25 @@ class FencepostApp:
 
     async def render_metrics(self) -> Response:
         return Response(self.metrics.render(), 200, content_type="text/plain; version=0.0.4")
+
+    async def dashboard_page(self) -> Response:
+        """The cluster page: static, open like /health; its data is behind the key."""
+        headers = PAGE_HEADERS
+        return Response(PAGE, 200, content_type="text/html; charset=utf-8", headers=headers)
+
+    async def dashboard_data(self) -> Response:
+        """What the page polls; guarded exactly like /metrics (auth.py)."""
+        body = msgspec.json.encode(self.dashboard.data())
+        return Response(body, 200, content_type="application/json", headers=DATA_HEADERS)
+
+    async def _start_sampling(self) -> None:
+        """The dashboard's history, sampled in the app's nursery while it serves."""
+
+        async def sample() -> None:
+            with self._sampling:
+                await self.dashboard.run()
+
+        self.quart.nursery.start_soon(sample)
 
     # --- chat completions and legacy completions ---
 

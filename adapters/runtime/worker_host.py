@@ -258,6 +258,9 @@ class FakeDecoder:
                 prefill_rate=1 / self.prefill_s_per_token if self.prefill_s_per_token else 0.0,
                 prompt_tokens=self.prompt_tokens,
                 computed_tokens=self.computed_tokens,
+                total_blocks=self.blocks.num_blocks,
+                free_blocks=self.blocks.free_blocks(),
+                cached_blocks=self.blocks.cached_blocks(),
             )
         return self._report
 
