@@ -1,11 +1,9 @@
-"""Continuous-batching policy: who joins the batch, and who runs in the next step.
+"""Continuous batching's limits, and what one step computes.
 
-The engine (adapters/engine) owns tensors; this module owns decisions, so the
-policy can be tested, and later simulated, without torch. Two pure functions:
-
-- admit(): which waiting sequences get a cache slot now (FIFO, while a slot
-  is free and the sequence fits in a slot's context);
-- plan_step(): what one forward step computes. Every sequence that has
+core/scheduler.py decides who waits, who runs and who is preempted; this
+module holds the limits it works within and its last move, plan_step(), a
+pure function over the running sequences: what one forward step computes.
+Every sequence that has
   finished its prefill decodes one token (running decodes are never starved);
   the rest of the step's token budget goes to prefill chunks, oldest sequence
   first, each chunk at most `max_prefill_tokens` (so a long prompt is chunked
@@ -41,11 +39,6 @@ class BatchLimits(Struct, frozen=True):
             raise ValueError("max_idle_prefill_tokens must be at least max_prefill_tokens")
 
 
-class Waiting(Struct, frozen=True):
-    key: int
-    context_tokens: int  # prompt + max new tokens
-
-
 class Running(Struct, frozen=True):
     key: int
     prompt_tokens: int
@@ -63,25 +56,6 @@ class StepPlan(Struct, frozen=True):
     @property
     def tokens(self) -> int:
         return len(self.decode) + sum(n for _, n in self.prefill)
-
-
-class Admission(Struct, frozen=True):
-    admitted: tuple[int, ...]
-    rejected: tuple[int, ...]  # can never fit a slot's context: fail them
-
-
-def admit(waiting: Sequence[Waiting], running: int, limits: BatchLimits) -> Admission:
-    """FIFO admission while slots are free; never skips ahead of a fitting head."""
-    admitted: list[int] = []
-    rejected: list[int] = []
-    free = limits.max_seqs - running
-    for seq in waiting:
-        if seq.context_tokens > limits.max_context:
-            rejected.append(seq.key)
-        elif free > 0:
-            admitted.append(seq.key)
-            free -= 1
-    return Admission(tuple(admitted), tuple(rejected))
 
 
 def plan_step(running: Sequence[Running], limits: BatchLimits) -> StepPlan:

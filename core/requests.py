@@ -1,19 +1,18 @@
-"""The router's request side: phases, the fence on worker output, placement, endings.
+"""The router's request side: what clients and workers send about requests, fenced.
 
 Part of the router machine (core/router.py dispatches to it from
-`Router.handle`); every change of a request's phase happens here, through
-`states.REQUEST`. Worker health and slot holds live in core/fleet.py; what a
-worker event means for a request (an attempt lost, an acceptance a heartbeat
-implies, output to ask for again) comes back here through the RequestSide
-methods `lost`, `listed`, `resend` and `dropped`.
+`Router.handle`). Requests builds on Placer (core/placement.py: the queue,
+offers, retries and resumes), which builds on Ledger (core/ledger.py: each
+request's record, delivery and endings); every change of a request's phase
+happens in those three modules, through `states.REQUEST`. Worker health and
+slot holds live in core/fleet.py and core/slots.py; what a worker event means
+for a request (an attempt lost, an acceptance a heartbeat implies, output to
+ask for again) comes back here as AttemptNews, which `act` hands to `lost`,
+`listed`, `resend` and `dropped`.
 
 The fence: output for a request is acted on only when it names the request's
 active assignment, comes from the worker holding it, and (for tokens) carries
-the next index the client needs, within the request's budget. Placement: a
-request is offered to the best candidate (core/fleet.py), or waits in a
-bounded FIFO queue; a lost attempt is offered again at the queue's head,
-before its first token as a retry, after it as a resume from the delivered
-prefix.
+the next index the client needs, within the request's budget.
 
 Handoff: a draining worker gives a streaming request's attempt back
 (HandOff). If another worker has a slot, the request goes on there at once,
@@ -32,93 +31,35 @@ the next HandOff (the worker repeats it with each heartbeat) tries again.
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import assert_never
 
-from msgspec.structs import replace
-
-from core.fleet import Chain, Fleet, Placement
+from core.fleet import AttemptNews
+from core.ledger import RequestRecord, no_worker_message
+from core.placement import Placer
 from core.protocol import (
     ArmTimer,
     Assignment,
     Cancel,
     DeliverError,
-    DeliverFinished,
-    DeliverToken,
     DisarmTimer,
-    ErrorKind,
     Finished,
     GenerationRequest,
-    Offer,
     OfferResult,
     OfferTimer,
     ProgressTimer,
-    Resend,
     RouterEffect,
     SendToWorker,
     Token,
-    TokenLogprob,
     TokenRun,
 )
 from core.states import REQUEST, TERMINAL, Hold, Phase, RequestEvent, RouterMisuse
 
-if TYPE_CHECKING:
-    from core.router import RouterConfig
-
 P, E = Phase, RequestEvent
 
 
-@dataclass(slots=True)
-class RequestRecord:
-    request: GenerationRequest
-    phase: Phase = P.RECEIVED
-    attempt: int = 0
-    active: Assignment | None = None  # set exactly while offered, assigned or streaming
-    worker_id: str | None = None
-    tokens: list[int] = field(default_factory=list)  # what the client has, for a resume
-    resumes: int = 0
-    # Attempts declined for want of a slot (other routers' work fills the worker), before
-    # and after the first token: they spend neither an attempt nor a resume.
-    full_retries: int = 0
-    full_resumes: int = 0
-    tried: set[str] = field(default_factory=set)
-    finish: Finished | None = None  # a finish that arrived before all its tokens
-    resend_at: float | None = None  # when the last Resend for it was sent
-    progress_by: float | None = None  # the accepted attempt's next token is due by then
-    chain: Chain | None = None  # the context's chain keys, for placement (see context())
-    # While a handoff's continuation is offered and not yet accepted: the worker that
-    # handed the stream off and its attempt, still decoding there (see above).
-    handoff: tuple[str, Assignment] | None = None
-
-    def context(self) -> Chain:
-        """What the next attempt prefills (prompt, then what the client has)."""
-        tokens = len(self.request.prompt_token_ids) + len(self.tokens)
-        if self.chain is None or len(self.chain.tokens) != tokens:
-            self.chain = Chain(self.request.prompt_token_ids + tuple(self.tokens))
-        return self.chain
-
-    @property
-    def delivered(self) -> int:
-        """Tokens the client has; also the index the fence expects next."""
-        return len(self.tokens)
-
-
-class Requests:
-    def __init__(self, config: RouterConfig, fleet: Fleet, fenced: Counter[str]) -> None:
-        self.config = config
-        self.fleet = fleet
-        self.records: dict[str, RequestRecord] = {}
-        self.queue: deque[str] = deque()
-        self.outcomes: Counter[str] = Counter()
-        self.tokens_delivered = 0
-        self.resends = 0
-        self.retries = 0
-        self.resumes = 0
-        self.handoffs = 0
-        self.handoffs_back = 0
-        self.now = 0.0  # the `now` of the event being handled; never read from a clock
-        self._fenced = fenced
+class Requests(Placer):
+    """The request side's entry points: what clients send, and worker output, fenced."""
 
     # --- client side ---
 
@@ -128,7 +69,7 @@ class Requests:
         req = RequestRecord(request)
         self.records[request.request_id] = req
         if not self.fleet.fitting(request.context_tokens):
-            self._give_up(req, "no_worker", _no_worker_message(req), out)
+            self._give_up(req, "no_worker", no_worker_message(req), out)
         elif not self.queue and (placement := self._candidate(req, exclude=None)) is not None:
             self._offer(req, placement, out)
         elif len(self.queue) >= self.config.queue_limit:
@@ -302,49 +243,23 @@ class Requests:
             return False
         return True
 
-    def _deliver(
-        self,
-        req: RequestRecord,
-        token_id: int,
-        logprob: TokenLogprob | None,
-        out: list[RouterEffect],
-    ) -> None:
-        """Deliver the next token, with its logprob record if it carries one (the
-        caller has checked it is the next one). Records are not kept: a resumed
-        attempt computes its own for the tokens it adds."""
-        if req.phase is P.OFFERED:
-            self._accept(req, out)
-        first = req.phase is P.ASSIGNED  # this attempt's first token
-        req.phase = REQUEST.next(req.phase, E.TOKEN)
-        index = len(req.tokens)
-        out.append(DeliverToken(req.request.request_id, index, token_id, logprob))
-        req.tokens.append(token_id)
-        self.tokens_delivered += 1
-        req.progress_by = self.now + self.config.token_timeout_s
-        if first and req.active is not None:
-            if req.worker_id is not None:
-                self.fleet.first_token(req.worker_id, req.active)
-            # From now on the (usually shorter) per-token deadline; later tokens only
-            # move progress_by, and the timer re-arms itself when it fires early.
-            out.append(ArmTimer(ProgressTimer(req.active), req.progress_by))
-        if self.fleet.stuck and req.worker_id in self.fleet.stuck:
-            self.fleet.progressed(req.worker_id)
-        finish = req.finish
-        if finish is not None and index + 1 == finish.completion_tokens:
-            self._complete(req, finish, out)
+    # --- what worker events mean for requests (AttemptNews, from the fleet) ---
 
-    def _ask_resend(self, req: RequestRecord, out: list[RouterEffect]) -> None:
-        """Ask the worker for everything from the next expected index (rate-limited)."""
-        if req.active is None or req.worker_id is None:
-            return
-        last = req.resend_at
-        if last is not None and self.now - last < self.config.resend_interval_s:
-            return
-        req.resend_at = self.now
-        self.resends += 1
-        out.append(SendToWorker(req.worker_id, Resend(req.active, req.delivered)))
-
-    # --- what worker events mean for requests (RequestSide, called by the fleet) ---
+    def act(self, news: Iterable[AttemptNews], out: list[RouterEffect]) -> None:
+        """Act on what a worker event means for each attempt, item by item as the fleet
+        tells it (the fleet goes on after each, so the effects keep the event's order)."""
+        for item in news:
+            match item.kind:
+                case "lost":
+                    self.lost(item.request_id, item.assignment, item.message, out)
+                case "listed":
+                    self.listed(item.request_id, item.assignment, out)
+                case "resend":
+                    self.resend(item.request_id, item.assignment, out)
+                case "dropped":
+                    self.dropped(item.request_id, item.assignment, out)
+                case _ as unknown:
+                    assert_never(unknown)
 
     def lost(
         self, request_id: str, assignment: Assignment, message: str, out: list[RouterEffect]
@@ -380,213 +295,3 @@ class Requests:
             return
         self._release(req, out)
         self._attempt_lost(req, "worker_lost", "worker dropped the assignment", out)
-
-    # --- placement ---
-
-    def dispatch_queue(self, out: list[RouterEffect]) -> None:
-        """Offer queued requests in FIFO order while their head can be placed."""
-        while self.queue:
-            req = self.records[self.queue[0]]
-            if not self.fleet.fitting(req.request.context_tokens):
-                self.queue.popleft()
-                # A resumed stream waiting here has tokens out: for it the loss is final.
-                kind: ErrorKind = "worker_lost" if req.delivered else "no_worker"
-                self._give_up(req, kind, _no_worker_message(req), out)
-                continue
-            placement = self._candidate(req, exclude=None)
-            if placement is None:
-                return
-            self.queue.popleft()
-            self._offer(req, placement, out)
-
-    def _candidate(self, req: RequestRecord, exclude: str | None) -> Placement | None:
-        return self.fleet.candidate(req.request.context_tokens, req.context(), req.tried, exclude)
-
-    def _offer(self, req: RequestRecord, placement: Placement, out: list[RouterEffect]) -> None:
-        worker, prefill = placement
-        req.phase = REQUEST.next(req.phase, E.OFFER_SENT)
-        req.attempt += 1
-        assignment = Assignment(req.request.request_id, req.attempt, self.config.router_id)
-        req.active = assignment
-        req.worker_id = worker.worker_id
-        req.tried.add(worker.worker_id)
-        self.fleet.take(worker, assignment, req.request.request_id, prefill)
-        offer = Offer(worker.worker_id, worker.epoch, assignment, _attempt_request(req))
-        out.append(SendToWorker(worker.worker_id, offer))
-        out.append(ArmTimer(OfferTimer(assignment), self.now + self.config.offer_timeout_s))
-
-    def _attempt_lost(
-        self,
-        req: RequestRecord,
-        kind: ErrorKind,
-        message: str,
-        out: list[RouterEffect],
-        *,
-        full: bool = False,
-    ) -> None:
-        """The active attempt is over (its hold already released): place it again or give
-        up. `full`: the worker had no free slot, which spends no attempt or resume.
-        A handoff's continuation that fails goes back to the attempt handed off."""
-        if req.handoff is not None and self._back_to_handoff(req, out):
-            return
-        failed_worker = req.worker_id
-        req.phase = REQUEST.next(req.phase, E.ATTEMPT_LOST)
-        self._stop_progress_timer(req, out)
-        req.active = None
-        req.worker_id = None
-        req.finish = None
-        if req.delivered > 0:
-            self._resume(req, kind, message, failed_worker, out, full)
-            return
-        req.full_retries += full
-        if req.attempt - req.full_retries >= self.config.max_attempts:
-            # Nothing reached the client, so no worker was lost *to it*: no worker could serve it.
-            self._give_up(
-                req, "no_worker", f"{message} (gave up after {req.attempt} attempts)", out
-            )
-            return
-        if not self.fleet.fitting(req.request.context_tokens):
-            self._give_up(req, "no_worker", _no_worker_message(req), out)
-            return
-        self.retries += 1
-        self._place_again(req, failed_worker, out)
-
-    def _resume(
-        self,
-        req: RequestRecord,
-        kind: ErrorKind,
-        message: str,
-        failed_worker: str | None,
-        out: list[RouterEffect],
-        full: bool = False,
-    ) -> None:
-        """A started stream lost its attempt: continue it from the delivered prefix.
-
-        Even with every token delivered (only the Finished went missing) the
-        continuation is offered: the new worker ends it at once, with the reason
-        (eos or length) that only a decoder can tell.
-        """
-        req.full_resumes += full
-        if kind == "failed" or req.resumes - req.full_resumes >= self.config.max_resumes:
-            lost: ErrorKind = "failed" if kind == "failed" else "worker_lost"
-            self._give_up(req, lost, message, out)
-            return
-        if not self.fleet.fitting(req.request.context_tokens):
-            self._give_up(req, "worker_lost", f"{message}; no worker can continue it", out)
-            return
-        req.resumes += 1
-        self.resumes += 1
-        self._place_again(req, failed_worker, out)
-
-    def _place_again(
-        self, req: RequestRecord, failed_worker: str | None, out: list[RouterEffect]
-    ) -> None:
-        """Offer the next attempt, preferring another worker, or queue it at the front."""
-        placement = self._candidate(req, exclude=failed_worker)
-        if placement is None:
-            self.queue.appendleft(req.request.request_id)
-        else:
-            self._offer(req, placement, out)
-
-    # --- handoff ---
-
-    def _back_to_handoff(self, req: RequestRecord, out: list[RouterEffect]) -> bool:
-        """The continuation failed before it was accepted (its hold already released):
-        back to the attempt handed off, if its worker still holds it."""
-        assert req.handoff is not None
-        worker_id, assignment = req.handoff
-        req.handoff = None
-        if not self.fleet.holds_live(worker_id, assignment):
-            return False
-        req.phase = REQUEST.next(req.phase, E.HANDOFF_FAILED)
-        self._stop_progress_timer(req, out)
-        req.active, req.worker_id, req.finish = assignment, worker_id, None
-        req.progress_by = self.now + self.config.token_timeout_s
-        out.append(ArmTimer(ProgressTimer(assignment), req.progress_by))
-        req.resend_at = None  # what it decoded meanwhile was fenced: ask for it now
-        self._ask_resend(req, out)
-        self.handoffs_back += 1
-        return True
-
-    def _let_go(self, req: RequestRecord) -> None:
-        """The worker no longer holds the attempt handed off: free its slot."""
-        if req.handoff is not None:
-            worker_id, assignment = req.handoff
-            req.handoff = None
-            self.fleet.release(worker_id, assignment)
-
-    def _cancel_handed_off(self, req: RequestRecord, out: list[RouterEffect]) -> None:
-        """The continuation is accepted (or the request is over): stop the old attempt;
-        its slot stays counted until the worker lets go."""
-        if req.handoff is not None:
-            worker_id, assignment = req.handoff
-            req.handoff = None
-            out.append(SendToWorker(worker_id, Cancel(assignment)))
-            self.fleet.unwanted(worker_id, assignment)
-
-    # --- endings ---
-
-    def _accept(self, req: RequestRecord, out: list[RouterEffect]) -> None:
-        assert req.active is not None and req.worker_id is not None
-        req.phase = REQUEST.next(req.phase, E.ACCEPTED)
-        out.append(DisarmTimer(OfferTimer(req.active)))
-        self.fleet.confirm(req.worker_id, req.active)
-        self._cancel_handed_off(req, out)
-        # The first token's deadline: prefill of everything before it, then one step.
-        config = self.config
-        context = len(req.request.prompt_token_ids) + req.delivered
-        budget = config.first_token_timeout_s + context * config.prefill_timeout_per_token_s
-        req.progress_by = self.now + budget
-        out.append(ArmTimer(ProgressTimer(req.active), req.progress_by))
-
-    def _stop_progress_timer(self, req: RequestRecord, out: list[RouterEffect]) -> None:
-        if req.progress_by is not None and req.active is not None:
-            out.append(DisarmTimer(ProgressTimer(req.active)))
-        req.progress_by = None
-
-    def _complete(self, req: RequestRecord, finished: Finished, out: list[RouterEffect]) -> None:
-        assert finished.reason in ("eos", "length")
-        self._release(req, out)
-        rid = req.request.request_id
-        done = DeliverFinished(rid, finished.reason, finished.completion_tokens)
-        self._terminate(req, E.FINISHED, done, out)
-
-    def _give_up(
-        self, req: RequestRecord, kind: ErrorKind, message: str, out: list[RouterEffect]
-    ) -> None:
-        rid = req.request.request_id
-        self._terminate(req, E.GIVEN_UP, DeliverError(rid, kind, message), out)
-
-    def _terminate(
-        self,
-        req: RequestRecord,
-        event: RequestEvent,
-        outcome: DeliverFinished | DeliverError,
-        out: list[RouterEffect],
-    ) -> None:
-        req.phase = REQUEST.next(req.phase, event)
-        self._stop_progress_timer(req, out)
-        self._cancel_handed_off(req, out)
-        del self.records[req.request.request_id]
-        kind = outcome.reason if isinstance(outcome, DeliverFinished) else outcome.kind
-        self.outcomes[kind] += 1
-        out.append(outcome)
-
-    def _release(self, req: RequestRecord, out: list[RouterEffect]) -> None:
-        """Give back the active attempt's slot (the worker has let it go)."""
-        if req.active is None or req.worker_id is None:
-            return
-        if req.phase is P.OFFERED:
-            out.append(DisarmTimer(OfferTimer(req.active)))
-        self.fleet.release(req.worker_id, req.active)
-
-
-def _attempt_request(req: RequestRecord) -> GenerationRequest:
-    """The request as the next attempt should run it: from index k if k tokens are out."""
-    if not req.tokens:
-        return req.request
-    return replace(req.request, output_prefix=tuple(req.tokens))
-
-
-def _no_worker_message(req: RequestRecord) -> str:
-    return f"no healthy worker can hold {req.request.context_tokens} context tokens"

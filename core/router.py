@@ -1,11 +1,12 @@
-"""The router machine: requests, the fence, placement; with core/fleet.py, all router state.
+"""The router machine's entry point: one `handle` over the request side and the fleet.
 
 One Router spreads GenerationRequests over workers and turns their fenced
 output into an in-order stream per client. It is sans-IO: `handle(event, now)`
 returns effects (messages to send, timers to arm, deliveries to clients) and
 never reads a clock, draws a random number or touches the network. Its state
-is requests (here) and workers with their slot holds (core/fleet.py); each
-moves only through its table in core/states.py.
+is requests (core/requests.py, over core/placement.py and core/ledger.py) and
+workers with their slot holds (core/fleet.py, over core/slots.py); each moves
+only through its table in core/states.py. The config is core/config.py's.
 
 Theory of operation
 -------------------
@@ -27,7 +28,7 @@ worker ends with `worker_lost`). A failed finish (the decoder broke on this
 request) is not resumed.
 
 Slots: the router counts, per worker, the assignments it believes the worker
-holds (core/fleet.py). Heartbeats list the worker's assignments; the router
+holds (core/slots.py). Heartbeats list the worker's assignments; the router
 reconciles its holds with them and answers any it does not want with Cancel,
 so slots leak neither on the worker nor in the router even when messages are
 duplicated, reordered or dropped.
@@ -47,6 +48,7 @@ from typing import Literal
 
 from msgspec import Struct, structs
 
+from core.config import RouterConfig
 from core.fleet import Fleet, WorkerView
 from core.protocol import (
     Assignment,
@@ -74,7 +76,6 @@ from core.states import Phase, RouterMisuse
 __all__ = [
     "RequestView",
     "Router",
-    "RouterConfig",
     "RouterMisuse",
     "RouterStatistics",
     "WorkerView",
@@ -92,38 +93,6 @@ FenceReason = Literal[
     "unknown_epoch",  # a heartbeat naming an epoch the router never handed out
     "orphan",  # worker holds an assignment nobody wants: Cancel sent
 ]
-
-
-class RouterConfig(Struct, frozen=True):
-    # This router's identity, carried by every assignment it makes. Routers that
-    # share workers need distinct ones (a restarted router, a new one): the runtime
-    # draws it at start. A lone router may leave it empty.
-    router_id: str = ""
-    offer_timeout_s: float = 2.0
-    heartbeat_timeout_s: float = 3.0
-    resend_interval_s: float = 0.1  # at most one Resend per request this often
-    max_attempts: int = 3
-    queue_limit: int = 256
-    max_resumes: int = 2  # continuations after the first token; 0 = never resume
-    # Progress deadlines of an accepted attempt (a decoder can hang while its worker
-    # heartbeats): its first token within first_token_timeout_s plus
-    # prefill_timeout_per_token_s per context token (prompt and output prefix), each
-    # next token within token_timeout_s. A miss fails the attempt over (or resumes it)
-    # and marks the worker stuck: no offers until it shows progress, or for
-    # stuck_probe_s, after which it may try again.
-    first_token_timeout_s: float = 20.0
-    prefill_timeout_per_token_s: float = 0.05
-    token_timeout_s: float = 10.0
-    stuck_probe_s: float = 30.0
-    # Placement. "cache-aware" ranks fitting workers with a free slot by predicted
-    # time to first token: (prefill tokens already placed there and not yet past
-    # their first token + this request's tokens that worker's reported prefix
-    # cache lacks) / its reported prefill rate. A report older than
-    # cache_report_max_age_s, or from an earlier epoch, counts as empty.
-    # "least-loaded" ranks by held slots only.
-    routing: Literal["cache-aware", "least-loaded"] = "cache-aware"
-    cache_report_max_age_s: float = 3.0
-    default_prefill_rate: float = 1000.0  # tokens/s, for a worker that reports none
 
 
 class RouterStatistics(Struct, frozen=True):
@@ -164,7 +133,6 @@ class Router:
         self._fenced: Counter[str] = Counter()
         self.fleet = Fleet(self.config, self._fenced)
         self.requests = Requests(self.config, self.fleet, self._fenced)
-        self.fleet.requests = self.requests
 
     # --- the one entry point ---
 
@@ -182,7 +150,7 @@ class Router:
             case FromWorkerMessage(worker_id, OfferResult() as result):
                 requests.on_offer_result(worker_id, result, out)
             case FromWorkerMessage(worker_id, Heartbeat() as heartbeat):
-                fleet.on_heartbeat(worker_id, heartbeat, out)
+                requests.act(fleet.on_heartbeat(worker_id, heartbeat, out), out)
             case FromWorkerMessage(worker_id, HandOff(sender, epoch, assignments)):
                 if sender == worker_id and fleet.current(worker_id, epoch):
                     requests.on_handoff(worker_id, assignments, out)
@@ -198,11 +166,11 @@ class Router:
             case TimerFired(ProgressTimer(assignment)):
                 requests.on_progress_timeout(assignment, out)
             case TimerFired(LivenessTimer(worker_id)):
-                fleet.on_liveness_timer(worker_id, out)
+                requests.act(fleet.on_liveness_timer(worker_id, out), out)
             case WorkerGone(worker_id, epoch, reason):
-                fleet.on_worker_gone(worker_id, epoch, reason, out)
+                requests.act(fleet.on_worker_gone(worker_id, epoch, reason, out), out)
             case RegisterWorker(worker_id, takeover):
-                fleet.register(worker_id, takeover, out)
+                requests.act(fleet.register(worker_id, takeover, out), out)
             case _:
                 raise RouterMisuse(f"router cannot handle {event!r}")
         requests.dispatch_queue(out)

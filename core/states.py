@@ -9,7 +9,7 @@ cause. Messages from the network that cannot apply (a duplicate token, an
 answer for an assignment long gone) are fenced and counted by the machines
 *before* they would reach a table, so they never raise.
 
-Four machines:
+Five machines:
 
 - request phase (router, one per request): received -> offered -> assigned
   -> streaming -> completed | failed | cancelled. A lost attempt sends the
@@ -27,6 +27,10 @@ Four machines:
 - assignment (worker, one per assignment it has seen): unseen -> active ->
   ended, or unseen -> declined, or unseen -> forestalled (its cancel overtook
   it) -> declined when the offer lands.
+- sequence (a decoder's scheduler, one per assignment it decodes): waiting ->
+  prefilling -> decoding, growing a block at each boundary; preempted back to
+  waiting (from either running state) when the pool runs out; gone when it
+  stops or can never fit.
 
 States and events are StrEnums: their values read well in statistics and
 traces, and they hash as fast as strings on the router's hot path.
@@ -288,4 +292,45 @@ ASSIGNMENT = Table[AssignmentState, AssignmentEvent](
     WorkerMisuse,
 )
 
-TABLES: tuple[Table, ...] = (REQUEST, HOLD, HEALTH, ASSIGNMENT)  # type: ignore[type-arg]
+
+# --- sequence (a decoder's scheduler, core/scheduler.py) ---
+
+
+class SchedulerMisuse(Misuse):
+    """The scheduler was asked about a sequence it does not have, or twice for one."""
+
+
+class SeqState(enum.StrEnum):
+    WAITING = "waiting"  # queued for a row and the blocks of its known context
+    PREFILLING = "prefilling"  # holds a row and blocks; its context is being computed
+    DECODING = "decoding"  # its context is in the cache: one token a step
+    GONE = "gone"  # stopped (ended, cancelled, superseded) or refused: it holds nothing
+
+
+class SeqEvent(enum.StrEnum):
+    ADMITTED = "admitted"  # a row and the context's blocks were free (a cached prefix shared)
+    REFUSED = "refused"  # its whole context can never fit: max_context or the whole pool
+    PREFILLED = "prefilled"  # the step computed the rest of its context: it decodes next
+    GREW = "grew"  # it crossed a block boundary and took one more block
+    PREEMPTED = "preempted"  # the pool ran out: its blocks back, recomputed from the head
+    STOPPED = "stopped"  # its assignment ended or was dropped: its blocks go back
+
+
+Q, QE = SeqState, SeqEvent
+SEQUENCE = Table[SeqState, SeqEvent](
+    "sequence",
+    {
+        (Q.WAITING, QE.ADMITTED): Q.PREFILLING,
+        (Q.WAITING, QE.REFUSED): Q.GONE,
+        (Q.WAITING, QE.STOPPED): Q.GONE,
+        (Q.PREFILLING, QE.PREFILLED): Q.DECODING,
+        (Q.PREFILLING, QE.PREEMPTED): Q.WAITING,  # admitted last, so the first to go
+        (Q.PREFILLING, QE.STOPPED): Q.GONE,
+        (Q.DECODING, QE.GREW): Q.DECODING,
+        (Q.DECODING, QE.PREEMPTED): Q.WAITING,
+        (Q.DECODING, QE.STOPPED): Q.GONE,
+    },
+    SchedulerMisuse,
+)
+
+TABLES: tuple[Table, ...] = (REQUEST, HOLD, HEALTH, ASSIGNMENT, SEQUENCE)  # type: ignore[type-arg]

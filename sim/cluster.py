@@ -37,17 +37,18 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, ItemsView, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import cast
 
-from core.batching import BatchLimits, Running, StepPlan, Waiting, admit, plan_step
-from core.fake_model import FakeContext, FakeDecode, reference_output
+from core.batching import BatchLimits, Running, StepPlan
+from core.blocks import blocks_for
+from core.config import RouterConfig
+from core.fake_model import FakeDecode
 from core.protocol import (
     ArmTimer,
     Assignment,
     ClientCancel,
-    ClientFinishReason,
     Decoded,
     DecodeDone,
     DecoderEvent,
@@ -81,21 +82,18 @@ from core.protocol import (
     WorkerGone,
     WorkerStart,
 )
-from core.router import Router, RouterConfig
+from core.router import Router
+from core.scheduler import Scheduler
+from core.states import SeqState
 from core.worker import Worker, WorkerConfig
 from sim.clock import Clock
 from sim.kv import KvModel, pool_blocks
 from sim.oracles import Disturbances, Oracles, WorkerOracles
+from sim.streams import ClientStream, StreamOracles, diverges
 
 # How a misbehaving decoder can go wrong in one step (sim/simulator.py draws one):
 # say a token twice, skip an index, emit a token past the end, or end twice.
 MISBEHAVIOURS = ("repeat", "skip", "overrun", "end_twice")
-SALT_SEARCH = 256  # with shared workers: attempts past the last one seen, to look among
-
-
-def diverges(request: GenerationRequest) -> bool:
-    """Unseeded sampling: two attempts of this request draw different tokens."""
-    return request.sampling.temperature > 0 and request.sampling.seed is None
 
 
 class InvariantViolation(AssertionError):
@@ -116,31 +114,15 @@ class Packet:
 
 
 @dataclass(slots=True)
-class ClientStream:
-    """Everything one client received, in order."""
-
-    request: GenerationRequest
-    references: dict[int, tuple[list[int], ClientFinishReason]]  # by salt: the outputs it may show
-    tokens: list[int] = field(default_factory=list)
-    outcome: DeliverFinished | DeliverError | None = None
-    cancel_requested: bool = False
-    # By salt: the fake model's context before the next token, to compute the logprob
-    # record each delivered token must carry (requests that ask for logprobs only).
-    contexts: dict[int, FakeContext] = field(default_factory=dict)
-    cut: bool = False  # its router died before an outcome: the client saw the connection drop
-
-
-@dataclass(slots=True)
 class Decode:
-    """One assignment on a fake decoder: waiting for a batch slot, prefilling, decoding."""
+    """One assignment on a fake decoder: its worker's Scheduler (core/scheduler.py)
+    has it waiting for a row and blocks, prefilling or decoding."""
 
     request: GenerationRequest
     started_at: float
     run: FakeDecode
-    key: int  # its name in core.batching's plans
-    context: int  # prompt plus output prefix: what prefill must compute
-    admitted: bool = False
-    prefilled: int = 0
+    key: int  # its name in the scheduler and its plans
+    context: int  # prompt plus output prefix: what its first prefill computes
 
 
 @dataclass(slots=True)
@@ -209,12 +191,21 @@ class Cluster:
         self._incarnations: Counter[str] = Counter()
         self._processes: Counter[str] = Counter()  # worker processes started, per id
         self.worker_oracles = WorkerOracles(self, disturbances)
+        self.streams_oracle = StreamOracles(self)
         self.slots = slots
         self.max_context = max_context
         self.heartbeat_interval_s = heartbeat_interval_s
         self.kv_block_size = kv_block_size
         self.largest_request = largest_request or max_context
         self.kv: dict[str, KvModel] = {}  # each process's paged KV cache
+        self.schedulers: dict[str, Scheduler] = {}  # each process's, over its cache
+        # Each worker id's KV pool as a share of one that never preempts (1: that pool).
+        self.pool_share: dict[str, float] = {}
+        self.preemptions = 0  # sequences preempted by recompute, every process together
+        self.recomputed_tokens = 0  # output tokens computed again after a preemption
+        self._head_wait: dict[str, tuple[int, int]] = {}  # worker -> (head key, steps)
+        self._pressure: dict[str, list[float | str]] = {}  # worker -> its latest interval
+        self._admitted: dict[str, dict[int, None]] = {}  # worker -> running keys, in order
         self.prefill_tokens = [0, 0]  # context tokens admitted, and of them not cached
         self.workers: dict[str, Worker] = {}
         self.decodes: dict[str, dict[Assignment, Decode]] = {}
@@ -344,8 +335,13 @@ class Cluster:
         )
         self.workers[worker_id] = Worker(config)
         self._processes[worker_id] += 1
-        blocks = pool_blocks(config.slots, self.largest_request, self.kv_block_size)
-        self.kv[worker_id] = KvModel(blocks, self.kv_block_size, self.violations.append, worker_id)
+        size = self.kv_block_size
+        blocks = pool_blocks(config.slots, self.largest_request, size)
+        share = self.pool_share.get(worker_id, 1.0)
+        if share < 1.0:  # tight: preemption by recompute; one largest request always fits
+            blocks = max(blocks_for(self.largest_request, size), int(blocks * share))
+        self.kv[worker_id] = KvModel(blocks, size, self.violations.append, worker_id)
+        self._new_scheduler(worker_id)
         self._timers[worker_id] = {}
         self._owner_rank.setdefault(worker_id, len(self._owner_rank))
         self.decodes[worker_id] = {}
@@ -355,11 +351,20 @@ class Cluster:
             self._run_worker(worker_id, RouterLinked(router_id, epoch))
         return True
 
+    def _new_scheduler(self, worker_id: str, limits: BatchLimits | None = None) -> None:
+        if limits is None:  # until the driver's own limits come with its first plan
+            slots = self.workers[worker_id].config.slots
+            limits = BatchLimits(slots, self.max_context, slots + 16, 16, 32)
+        self.schedulers[worker_id] = Scheduler(self.kv[worker_id], limits)
+        self._head_wait.pop(worker_id, None)
+        self._admitted[worker_id] = {}
+
     def fail_decoder(self, worker_id: str) -> None:
         """The worker's decoder breaks: every running assignment there fails."""
         self.decoder_failures += 1
         self.decodes[worker_id] = {}
         self.kv[worker_id].release_all()
+        self._new_scheduler(worker_id, self.schedulers[worker_id].limits)
         self._run_worker(worker_id, DecoderFailed("injected decoder failure"))
 
     def drain_worker(self, worker_id: str, handoff: bool = True) -> None:
@@ -412,9 +417,7 @@ class Cluster:
     def submit(self, request: GenerationRequest, router_id: str | None = None) -> None:
         """A client sends the request to a router (the first live one unless named)."""
         node = self.nodes[router_id] if router_id is not None else self._first()
-        salts = range(1, self.max_salt + 1) if diverges(request) else [0]
-        references = {salt: reference_output(request, salt) for salt in salts}
-        stream = node.streams[request.request_id] = ClientStream(request, references)
+        stream = node.streams[request.request_id] = self.streams_oracle.open(request)
         queued = node.router.statistics().queued
         self._run_router(node, Submit(request))
         if isinstance(stream.outcome, DeliverError) and stream.outcome.kind == "overloaded":
@@ -452,46 +455,127 @@ class Cluster:
     ) -> None:
         """The fake decoder takes one step of one running assignment (and may misbehave)."""
         decodes = self.decodes[worker_id]
+        decode = decodes[assignment]
+        scheduler = self.schedulers[worker_id]
+        decoding = scheduler.state(decode.key) is SeqState.DECODING
+        if decoding:
+            self._check_decode(worker_id, decode)
         events: list[DecoderEvent] = []
-        over = decodes[assignment].run.step(events)
+        over = decode.run.step(events)
         if misbehave is not None:
             self.misbehaviours += 1
-            _misbehave(events, misbehave, decodes[assignment].request.max_new_tokens)
-        decode = decodes[assignment]
-        if decode.admitted:
+            _misbehave(events, misbehave, decode.request.max_new_tokens)
+        if decoding:
+            # The step wrote the last token's keys and values and drew the next one.
+            tokens = scheduler.tokens(decode.key)
+            self.kv[worker_id].wrote(decode.key, tokens)
             output = decode.run.generation.output
-            self.kv[worker_id].wrote(decode.key, decode.request.prompt_token_ids + tuple(output))
+            prompt = len(decode.request.prompt_token_ids)
+            for token in output[len(tokens) - prompt :]:
+                scheduler.emitted(decode.key, token)
+            if tokens[prompt:] != output:
+                self.violations.append(
+                    f"{worker_id}: {assignment}'s scheduled tokens are not its output "
+                    f"({len(tokens) - prompt} against {len(output)}): a token twice or lost"
+                )
         for event in events:
             if over and isinstance(event, DecodeDone):
                 self._drop(worker_id, assignment)
             self._run_worker(worker_id, event)
 
     def plan_step(self, worker_id: str, limits: BatchLimits) -> StepPlan:
-        """What the worker's next batched step computes: core.batching admits and plans."""
+        """What the worker's next batched step computes: its core.scheduler grows,
+        preempts, admits and plans, as the torch engine's does."""
+        scheduler = self.schedulers[worker_id]
+        scheduler.limits = limits
         decodes = self.decodes[worker_id]
-        waiting = [Waiting(d.key, d.context) for d in decodes.values() if not d.admitted]
-        running = sum(d.admitted for d in decodes.values())
-        admission = admit(waiting, running, limits)
-        kv = self.kv[worker_id]
-        for key in admission.admitted:
-            decode = decodes[self._keys[key]]
-            request = decode.request
-            context = request.prompt_token_ids + request.output_prefix
-            cached = kv.admit(key, context, request.context_tokens)
-            if cached < 0:
-                continue  # no room in the pool yet: it waits for a block
-            decode.admitted = True
-            decode.prefilled = cached  # the cache already holds these
-            self.prefill_tokens[0] += len(context)
-            self.prefill_tokens[1] += len(context) - cached
-        for key in admission.rejected:  # can never fit a slot: the decoder fails it
+        recomputed = scheduler.recomputed_tokens
+        schedule = scheduler.schedule()
+        self.preemptions += len(schedule.preempted)
+        self.recomputed_tokens += scheduler.recomputed_tokens - recomputed
+        order = self._admitted[worker_id]
+        for key in schedule.preempted:  # each victim the newest of those still running
+            newest = next(reversed(order), None)
+            if key != newest:
+                self.violations.append(
+                    f"{worker_id}: preempted sequence {key}, not the most recently "
+                    f"admitted one ({newest})"
+                )
+            order.pop(key, None)
+        for key, cached in schedule.admitted:
+            order[key] = None
+            context = scheduler.progress(key)[1]
+            self.prefill_tokens[0] += context
+            self.prefill_tokens[1] += context - cached
+        for key in schedule.refused:  # can never fit: the decoder fails it
             assignment = self._keys[key]
             decodes.pop(assignment, None)
             self._run_worker(worker_id, DecodeDone(assignment, "failed"))
-        batch = [Running(d.key, d.context, d.prefilled) for d in decodes.values() if d.admitted]
-        plan = plan_step(batch, limits)
-        self._check_plan(worker_id, batch, plan, limits)
+        if schedule.preempted:
+            last = schedule.preempted[-1]  # the newest victim waits first
+            if scheduler.waiting[:1] != (last,) and last not in dict(schedule.admitted):
+                self.violations.append(
+                    f"{worker_id}: preempted {last} is not at the head of the queue "
+                    f"({scheduler.waiting[:3]})"
+                )
+        if schedule.preempted or (scheduler.waiting and scheduler.running < limits.max_seqs):
+            self._short_of_blocks(worker_id)
+        self._check_head(worker_id, scheduler)
+        plan = schedule.plan
+        self._check_plan(worker_id, list(schedule.batch), plan, limits)
+        self.kv[worker_id].check()
         return plan
+
+    def _short_of_blocks(self, worker_id: str) -> None:
+        """The worker's pool is out: a sequence was preempted, or one waits with a row
+        free. Its accepted work is slower than a healthy worker's for as long, so this
+        is a disturbance like a slow step: an attempt the router gives up meanwhile
+        (its progress deadline passed) is explained by it, and nothing else is."""
+        if self.disturbances is None:
+            return
+        now = self.clock.now
+        last = self._pressure.get(worker_id)
+        if last is not None and float(last[1]) >= now - 0.5:
+            self.disturbances.extend(worker_id, last, now)
+        else:
+            self._pressure[worker_id] = self.disturbances.add(worker_id, "kv_pressure", now, now)
+
+    def _check_head(self, worker_id: str, scheduler: Scheduler) -> None:
+        """No sequence starves: once at the head of the queue it is admitted within as
+        many steps as every running sequence needs to finish (each computes at least
+        one token a step of at most the largest request's)."""
+        head = scheduler.waiting[:1]
+        if not head:
+            self._head_wait.pop(worker_id, None)
+            return
+        before = self._head_wait.get(worker_id)
+        steps = before[1] + 1 if before is not None and before[0] == head[0] else 0
+        self._head_wait[worker_id] = (head[0], steps)
+        bound = scheduler.limits.max_seqs * self.largest_request + 2
+        if steps > bound:
+            self.violations.append(
+                f"{worker_id}: sequence {head[0]} waited at the head of the queue for "
+                f"{steps} steps (bound {bound}): starved"
+            )
+
+    def _check_decode(self, worker_id: str, decode: Decode) -> None:
+        """A decode step writes the last token's position: every earlier one must be
+        written (by prefill or by earlier steps since its admission), and its block
+        table must cover exactly the positions so far (no block taken early, none
+        missing)."""
+        tokens = len(self.schedulers[worker_id].tokens(decode.key))
+        kv = self.kv[worker_id]
+        written, table = kv.written(decode.key), len(kv.table(decode.key))
+        if written < tokens - 1:
+            self.violations.append(
+                f"{worker_id}: sequence {decode.key} decodes position {tokens - 1} with "
+                f"positions {written}..{tokens - 2} never written since its admission"
+            )
+        if table != blocks_for(tokens, self.kv_block_size):
+            self.violations.append(
+                f"{worker_id}: sequence {decode.key} holds {table} blocks for {tokens} "
+                f"positions ({blocks_for(tokens, self.kv_block_size)} needed)"
+            )
 
     def _check_plan(
         self, worker_id: str, batch: list[Running], plan: StepPlan, limits: BatchLimits
@@ -522,13 +606,12 @@ class Cluster:
         """Carry out a planned step: prefill chunks land, each decoding entry emits a token.
         Entries stopped while the step ran are skipped."""
         decodes = self.decodes[worker_id]
+        scheduler = self.schedulers[worker_id]
         for key, tokens in plan.prefill:
-            decode = decodes.get(self._keys[key])
-            if decode is not None:
-                decode.prefilled = min(decode.context, decode.prefilled + tokens)
-                request = decode.request
-                written = (request.prompt_token_ids + request.output_prefix)[: decode.prefilled]
-                self.kv[worker_id].wrote(key, written)
+            if self._keys[key] in decodes and scheduler.state(key) is SeqState.PREFILLING:
+                scheduler.prefilled(key, tokens)
+                prefilled, _ = scheduler.progress(key)
+                self.kv[worker_id].wrote(key, scheduler.tokens(key)[:prefilled])
         for key in plan.decode:
             assignment = self._keys[key]
             if assignment in self.decodes[worker_id]:
@@ -704,6 +787,8 @@ class Cluster:
         an oracle of sim/oracles.py found a fault it cannot explain."""
         if self.violations:
             raise InvariantViolation(self.violations[0])
+        if self.streams_oracle.violations:
+            raise InvariantViolation(self.streams_oracle.violations[0])
         for node in self.all_nodes:
             if node.oracles.violations:
                 raise InvariantViolation(node.oracles.violations[0])
@@ -733,8 +818,19 @@ class Cluster:
                     )
 
     def check_end(self, fault_kinds: set[str]) -> None:
-        """The checks of a finished run: fence counters the faults cannot explain."""
+        """The checks of a finished run: fence counters the faults cannot explain, and
+        every live process's scheduler empty with every block back (free or cached),
+        whatever was preempted, cancelled, superseded or cut off on the way."""
         self.oracles.check_fences(self.fenced(), fault_kinds)
+        for worker_id, kv in self.kv.items():
+            if worker_id in self.down:
+                continue
+            kv.check()
+            if kv.manager.holders() or self.schedulers[worker_id].has_work():
+                self.violations.append(
+                    f"{worker_id}: the run settled with {kv.manager.holders()} sequences "
+                    f"holding blocks, scheduler waiting {self.schedulers[worker_id].waiting}"
+                )
         self.check_safety()
 
     def unfinished(self) -> list[str]:
@@ -778,99 +874,14 @@ class Cluster:
             case DisarmTimer(key):
                 self._timers[node.owner].pop(key, None)
             case DeliverToken() | DeliverFinished() | DeliverError():
-                self._record_delivery(node, effect)
+                self.streams_oracle.delivered(node.streams.get(effect.request_id), effect)
                 self.on_deliver(node.router_id, effect)
-
-    def _record_delivery(
-        self, node: RouterNode, effect: DeliverToken | DeliverFinished | DeliverError
-    ) -> None:
-        stream = node.streams.get(effect.request_id)
-        if stream is None:
-            self.violations.append(f"delivery for unknown request {effect.request_id}")
-            return
-        rid = effect.request_id
-        if stream.outcome is not None:
-            self.violations.append(f"{rid}: delivery {effect!r} after terminal {stream.outcome!r}")
-            return
-        match effect:
-            case DeliverToken(_, index, token_id):
-                if index != len(stream.tokens):
-                    self.violations.append(f"{rid}: index {index} after {len(stream.tokens)}")
-                matching = {
-                    salt: (ref, why)
-                    for salt, (ref, why) in stream.references.items()
-                    if index < len(ref) and ref[index] == token_id
-                }
-                if not matching and diverges(stream.request):
-                    # Resumed on a newer attempt, which draws its own tokens from here (or,
-                    # with shared workers, a first token from an attempt past max_salt:
-                    # attempts declined for want of a slot add attempts without limit).
-                    # Newer than the oldest attempt the stream may have come from so far:
-                    # two salts can give one token (the vocabulary is finite), and only
-                    # the oldest bounds the attempts that may follow it.
-                    oldest = min(stream.references, default=0)
-                    newest = max(stream.references, default=0)
-                    prefix = tuple(stream.tokens)
-                    last = max(self.max_salt, newest + SALT_SEARCH if self.shared else 0)
-                    matching = {
-                        salt: cont
-                        for salt in range(oldest + 1, last + 1)
-                        if (cont := reference_output(stream.request, salt, prefix))[0][index]
-                        == token_id
-                    }
-                stream.references = matching
-                if not stream.references:
-                    self.violations.append(f"{rid}: token {token_id} at {index} is foreign")
-                elif not self._record_matches(stream, effect):
-                    self.violations.append(
-                        f"{rid}: logprob record at {index} is wrong: {effect.logprob!r}"
-                    )
-                stream.tokens.append(token_id)
-            case DeliverFinished(_, finish_reason, count):
-                if (stream.tokens, finish_reason) not in stream.references.values():
-                    self.violations.append(f"{rid}: finished early or wrong: {effect!r}")
-                if count != len(stream.tokens):
-                    self.violations.append(f"{rid}: usage {count} != {len(stream.tokens)}")
-                stream.outcome = effect
-            case DeliverError(_, kind, _):
-                if not self._error_allowed(stream, kind):
-                    self.violations.append(f"{rid}: error {kind} after {len(stream.tokens)} tokens")
-                stream.outcome = effect
-
-    def _record_matches(self, stream: ClientStream, token: DeliverToken) -> bool:
-        """Does the token carry the record the fake model gives it in its context (for
-        some salt it may come from; across resumes too), or none if none was asked?"""
-        top = stream.request.logprobs
-        if top is None:
-            return token.logprob is None
-        found = False
-        for salt in stream.references:
-            context = stream.contexts.get(salt)
-            if context is None or context.index != token.index:
-                context = FakeContext(stream.request, salt, tuple(stream.tokens))
-            found = found or context.record(token.token_id, top) == token.logprob
-            context.feed(token.token_id)
-            stream.contexts[salt] = context
-        return found
-
-    def _error_allowed(self, stream: ClientStream, kind: str) -> bool:
-        """The contract: which error outcomes a client may see, and when."""
-        started = bool(stream.tokens)
-        match kind:
-            case "cancelled":
-                return stream.cancel_requested
-            case "no_worker" | "overloaded":
-                return not started  # refused or given up before any output
-            case "worker_lost":
-                return started  # before the first token the router must fail over
-            case "failed":  # a broken decoder, or one that skipped an index
-                return started and (self.decoder_failures > 0 or self.misbehaviours > 0)
-        return False
 
     def _drop(self, worker_id: str, assignment: Assignment) -> None:
         decode = self.decodes[worker_id].pop(assignment, None)
         if decode is not None:
-            self.kv[worker_id].release(decode.key)
+            self.schedulers[worker_id].remove(decode.key)
+            self._admitted[worker_id].pop(decode.key, None)
 
     def _run_worker(self, worker_id: str, event: WorkerEvent) -> None:
         if worker_id in self.down:
@@ -889,14 +900,16 @@ class Cluster:
             case SendToRouter(message, router_id):
                 self._send(worker_id, None, message, router_id)
             case StartDecode(assignment, request):
+                self._drop(worker_id, assignment)  # a start again replaces the old run
                 salt = assignment.attempt if diverges(request) else 0
                 run = FakeDecode(assignment, request, salt)
                 self._decode_keys += 1
                 key = self._decode_keys
                 self._keys[key] = assignment
-                context = len(request.prompt_token_ids) + len(request.output_prefix)
-                decode = Decode(request, self.clock.now, run, key, context)
+                context = request.prompt_token_ids + request.output_prefix
+                decode = Decode(request, self.clock.now, run, key, len(context))
                 self.decodes[worker_id][assignment] = decode
+                self.schedulers[worker_id].add(key, context, request.context_tokens)
             case StopDecode(assignment):
                 self._drop(worker_id, assignment)
             case ArmTimer(key, deadline):

@@ -26,11 +26,15 @@ SUMMARY_KEYS = 64  # chain keys per heartbeat report
 
 
 class KvModel:
+    """A core.scheduler.Pool: the BlockManager's answers, each change checked."""
+
     def __init__(
         self, num_blocks: int, block_size: int, violation: Callable[[str], None], name: str
     ) -> None:
         self.manager = BlockManager(num_blocks, block_size)
         self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.prefix_caching = True
         self._violation = violation
         self._name = name
         self._tables: dict[int, list[int]] = {}  # key -> its table as handed out
@@ -40,22 +44,42 @@ class KvModel:
         self.prompt_tokens = 0
         self.computed_tokens = 0
 
-    def admit(self, key: int, context: Sequence[int], positions: int) -> int:
+    # --- the pool's questions: the manager's answers ---
+
+    @property
+    def available(self) -> int:
+        return self.manager.available
+
+    def cached_prefix(self, tokens: Sequence[int]) -> int:
+        return self.manager.cached_prefix(tokens)
+
+    def needed(self, tokens: Sequence[int], positions: int) -> int:
+        return self.manager.needed(tokens, positions)
+
+    def table(self, key: int) -> list[int]:
+        return self.manager.table(key)
+
+    # --- the pool's changes, checked ---
+
+    def allocate(self, key: int, context: Sequence[int], positions: int) -> int:
         """Blocks for a sequence's `positions` positions; returns the cached tokens
-        (the sequence starts with those prefilled). -1 if the pool cannot hold it now."""
+        (the sequence starts with those prefilled)."""
         manager = self.manager
-        if manager.needed(context, positions) > manager.available:
-            return -1
         try:
             cached = manager.allocate(key, context, positions)
         except BlockError as error:
             self._violation(f"{self._name}: block manager refused what it said fits: {error}")
-            return -1
+            raise
+        if cached >= len(context):
+            # The last context token's logits come from a forward pass: it is computed.
+            self._violation(
+                f"{self._name}: sequence {key} admitted with all {len(context)} context "
+                "tokens cached: nothing left to compute its first logits from"
+            )
         table = list(manager.table(key))
         shared = cached // self.block_size
         size = self.block_size
         for index, block in enumerate(table):
-            readers = self._readers.setdefault(block, set())
             if index < shared:
                 held = self._content.get(block)
                 if held != tuple(context[: (index + 1) * size]):
@@ -63,17 +87,57 @@ class KvModel:
                         f"{self._name}: block {block} shared at position {index * size} "
                         f"holds another context ({'unwritten' if held is None else 'differs'})"
                     )
-            elif readers:
-                self._violation(
-                    f"{self._name}: block {block} handed out fresh while sequences "
-                    f"{sorted(readers)} still hold it"
-                )
-            readers.add(key)
+                self._readers.setdefault(block, set()).add(key)
+            else:
+                self._fresh(key, block)
         self._tables[key] = table
         self._written[key] = cached
         self.prompt_tokens += len(context)
         self.computed_tokens += len(context) - cached
         return cached
+
+    def extend(self, key: int, positions: int) -> bool:
+        grown = self.manager.extend(key, positions)
+        table = self.manager.table(key)
+        known = self._tables[key]
+        for block in table[len(known) :]:
+            self._fresh(key, block)
+        self._tables[key] = list(table)
+        return grown
+
+    def _fresh(self, key: int, block: int) -> None:
+        readers = self._readers.setdefault(block, set())
+        if readers:
+            self._violation(
+                f"{self._name}: block {block} handed out fresh while sequences "
+                f"{sorted(readers)} still hold it"
+            )
+        self._content.pop(block, None)  # whatever it held is being overwritten
+        readers.add(key)
+
+    def written(self, key: int) -> int:
+        """Positions of the sequence written since its (re)admission, in order."""
+        return self._written.get(key, 0)
+
+    def check(self) -> None:
+        """Block accounting balances: every block is free, cached or held, each held
+        one as often as the tables hold it, and each table as the manager has it."""
+        manager = self.manager
+        held: dict[int, int] = {}
+        for key, table in self._tables.items():
+            if manager.table(key) != table:
+                self._violation(f"{self._name}: sequence {key}'s table changed behind its back")
+            for block in table:
+                held[block] = held.get(block, 0) + 1
+        free, cached = manager.free_blocks(), manager.cached_blocks()
+        if len(held) + free + cached != self.num_blocks or manager.holders() != len(self._tables):
+            self._violation(
+                f"{self._name}: {len(held)} blocks held, {free} free and {cached} cached of "
+                f"{self.num_blocks}; {manager.holders()} holders, {len(self._tables)} tables"
+            )
+        wrong = [b for b, n in held.items() if manager.refs(b) != n]
+        if wrong:
+            self._violation(f"{self._name}: blocks {wrong[:5]} referenced other than held")
 
     def wrote(self, key: int, tokens: Sequence[int]) -> None:
         """The sequence has written positions 0..len(tokens)-1 (these token ids)."""

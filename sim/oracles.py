@@ -1,6 +1,6 @@
 """Oracles beyond each client's stream: explained outcomes, limits, the router's view, waste.
 
-The stream oracles in sim/cluster.py judge what a client saw. A bug that only
+The stream oracles in sim/streams.py judge what a client saw. A bug that only
 costs availability passes them: a stream that ends `worker_lost` or a
 request retried on another worker looks like the contract's allowed
 behaviour under faults. The oracles here close that gap.
@@ -24,6 +24,16 @@ behaviour under faults. The oracles here close that gap.
   twice at once).
 - The router's view never moves back: each worker's (epoch, heartbeat
   sequence) only grows.
+- Holds and health. A confirmed hold missing from its worker's heartbeats is
+  given up within the heartbeat timeout plus an interval and the delays (one
+  more timeout if the worker was disturbed: its heartbeats may stop); a hold
+  released for a heartbeat's leaving it out is backed by that heartbeat (sent
+  after the worker process ended the assignment: WorkerOracles numbers worker
+  events to tell); a worker is called stuck only while a hang, a stall, a
+  pool out of blocks or the swarm's slowness held its decoder back; and after
+  a decline for want of a slot (which spends no attempt) the router offers
+  that worker nothing until a heartbeat or a freed hold there says a slot is
+  free, which bounds how often one request can be declined.
 - Unwanted work is cancelled. A fresh heartbeat or an accepted offer that
   names an assignment the router does not want is answered with a Cancel in
   the same step; and no worker keeps such an assignment longer than a
@@ -70,21 +80,33 @@ from core.protocol import (
     Heartbeat,
     Offer,
     OfferResult,
+    ProgressTimer,
     Resend,
     RouterEffect,
     RouterEvent,
     SendToRouter,
     SendToWorker,
+    StartDecode,
+    StopDecode,
+    TimerFired,
     Token,
     TokenRun,
     WorkerEffect,
     WorkerEvent,
 )
+from core.states import Hold
 
 if TYPE_CHECKING:
-    from sim.cluster import Cluster, RouterNode
+    from sim.view import ClusterView, NodeView
 
 DECODER_FAULTS = frozenset({"decoder_failure", "decoder_misbehaves"})
+# What stops or slows a decoder's progress, so that the router may rightly call its worker
+# stuck (besides a worker the swarm made slow): a hung decoder, a stalled process, a pool
+# out of blocks (a preemption, or a sequence waiting for blocks with a row free).
+PROGRESS_STOPS = frozenset({"decoder_hang", "stall", "kv_pressure"})
+# What stops a worker's heartbeats from reaching the router for a while (a lost or late
+# one only costs an interval: the next one comes).
+HEARTBEAT_STOPS = frozenset({"stall", "partition", "blackout", "crash", "drain", "impostor"})
 
 # Which fault kinds (or run events: "attempt_lost", "resend", "overtake") can move each fence
 # counter. A counter above zero in a run that had none of them is a bug; an empty
@@ -142,6 +164,8 @@ class Disturbances:
         self.kinds: set[str] = set()  # every kind that struck anywhere in the run
         self._intervals: dict[str, list[list[float | str]]] = {}
         self._quiet_after: dict[str, float] = {}  # latest end of an interval begun so far
+        self.delay_max_s = 0.0  # the seed's largest network delay (the simulator sets it)
+        self.slow: frozenset[str] = frozenset()  # workers the swarm made decode slower
 
     def add(self, worker_id: str, kind: str, start: float, end: float) -> list[float | str]:
         interval: list[float | str] = [start, end, kind]
@@ -149,6 +173,11 @@ class Disturbances:
         self.kinds.add(kind)
         self._quiet_after[worker_id] = max(self._quiet_after.get(worker_id, -math.inf), end)
         return interval
+
+    def extend(self, worker_id: str, interval: list[float | str], end: float) -> None:
+        """A disturbance still going on: its interval now lasts until `end`."""
+        interval[1] = max(float(interval[1]), end)
+        self._quiet_after[worker_id] = max(self._quiet_after.get(worker_id, -math.inf), end)
 
     def close(self, worker_id: str, interval: list[float | str], end: float) -> None:
         interval[1] = end
@@ -211,7 +240,7 @@ class Oracles:
     the machines' effects."""
 
     def __init__(
-        self, cluster: Cluster, node: RouterNode, disturbances: Disturbances | None
+        self, cluster: ClusterView, node: NodeView, disturbances: Disturbances | None
     ) -> None:
         self.cluster = cluster
         self.router = node.router
@@ -230,14 +259,27 @@ class Oracles:
         self._last_progress_check = 0.0
         # The last cache report the router accepted from each worker: (epoch, when, report).
         self._reports: dict[str, tuple[int, float, CacheReport | None]] = {}
+        self.router_id = node.router_id
+        self._holds_before: dict[Assignment, Hold] = {}  # a heartbeat's worker, before it
+        self._missing: dict[tuple[str, Assignment], float] = {}  # missing hold -> since
+        self._stuck: frozenset[str] = frozenset()  # workers the router holds stuck
+        # Workers that declined an offer for want of a slot since their last heartbeat:
+        # the holds the router may count there until news of a free slot.
+        self._full: dict[str, int] = {}
 
     def _violation(self, text: str) -> None:
         self.violations.append(text)
+
+    def _holds(self, worker_id: str) -> dict[Assignment, Hold]:
+        """The router's holds on a worker, by state (read from its slot accounting)."""
+        record = self.router.fleet.workers.get(worker_id)
+        return {} if record is None else {a: h.state for a, h in record.holds.items()}
 
     # --- router side ---
 
     def before_router(self, event: RouterEvent) -> tuple[int, int, bool] | None:
         if isinstance(event, FromWorkerMessage) and isinstance(event.message, Heartbeat):
+            self._holds_before = self._holds(event.worker_id)
             return self.router.worker_clock(event.worker_id)
         return None
 
@@ -248,8 +290,10 @@ class Oracles:
         before: tuple[int, int, bool] | None,
         now: float,
     ) -> None:
-        if isinstance(event, FromWorkerMessage) and isinstance(event.message, OfferResult):
-            self._note_full(event.message)
+        declined = None
+        message = event.message if isinstance(event, FromWorkerMessage) else None
+        if isinstance(message, OfferResult) and self._note_full(message):
+            declined = message.worker_id
         for effect in effects:
             match effect:
                 case SendToWorker(worker_id, Offer() as offer):
@@ -266,6 +310,7 @@ class Oracles:
             self._check_answered(event, effects, before)
             if isinstance(event.message, Heartbeat):
                 self._note_report(event.worker_id, event.message, before, now)
+                self._after_heartbeat(event.worker_id, event.message, before, now)
         offers = [
             (e.worker_id, e.message)
             for e in effects
@@ -273,6 +318,13 @@ class Oracles:
         ]
         if offers:
             self._check_placements(offers, now)
+        if declined is not None or self._full:
+            self._check_full(declined, offers)
+        stuck = self.router.fleet.stuck
+        if stuck != self._stuck:
+            for worker_id in stuck - self._stuck:
+                self._check_stuck(worker_id, event, now)
+            self._stuck = frozenset(stuck)
         self._check_views()
         if self._handing_off:
             self._check_handoffs(effects, now)
@@ -281,23 +333,98 @@ class Oracles:
             self._lost_mark = mark
             self._find_lost_attempts(now)
 
-    def _note_full(self, result: OfferResult) -> None:
+    def _note_full(self, result: OfferResult) -> bool:
         """A decline for want of a slot, of the request's open attempt: it spends no
         attempt or resume (the router must agree). With several routers it is the
-        others' work; with one, the router's view was off, which a fault explains."""
+        others' work; with one, the router's view was off, which a fault explains.
+        True if this decline is news (the router marks the worker full)."""
         if result.accepted or result.reason != "no_slot":
-            return
+            return False
         tally = self._tallies.get(result.assignment.request_id)
         last = tally.attempts[-1] if tally and tally.attempts else None
         if tally is None or last is None or not last.open or last.assignment != result.assignment:
+            return False
+        if last.full:
+            return False
+        last.full = True
+        self.full_declines += 1
+        if self.streams[result.assignment.request_id].tokens:
+            tally.full_resumes += 1
+        else:
+            tally.full_retries += 1
+        clock = self.router.worker_clock(last.worker_id)
+        return clock is not None and clock[0] == result.epoch
+
+    def _check_full(self, declined: str | None, offers: list[tuple[str, Offer]]) -> None:
+        """A decline for want of a slot spends no attempt, so nothing but this bounds
+        how often one request is declined: after a worker declines, the router offers
+        it nothing more until it has news of a free slot there (a fresh heartbeat, or
+        one of its own holds there released). Each further decline of a request then
+        needs such news, at most one per heartbeat of each worker and per slot freed."""
+        sent: Counter[str] = Counter(worker_id for worker_id, _ in offers)
+        if declined is not None:
+            self._full[declined] = len(self._holds(declined)) - sent[declined]
+        for worker_id, count in self._full.items():
+            if sent[worker_id] and len(self._holds(worker_id)) > count:
+                self._violation(
+                    f"offered {worker_id} {sent[worker_id]} more after it declined for want "
+                    f"of a slot with {count} held, with no heartbeat or slot freed since"
+                )
+
+    def _after_heartbeat(
+        self, worker_id: str, beat: Heartbeat, before: tuple[int, int, bool] | None, now: float
+    ) -> None:
+        """A fresh heartbeat: a hold it released for leaving it out must be backed by a
+        heartbeat sent after the worker ended that assignment; track the holds it left
+        missing; a worker that declined for want of a slot has news of its slots."""
+        after = self.router.worker_clock(worker_id)
+        if after is None or after[:2] != (beat.epoch, beat.seq):
+            return  # fenced
+        if before is not None and before[:2] == after[:2]:
             return
-        if not last.full:
-            last.full = True
-            self.full_declines += 1
-            if self.streams[result.assignment.request_id].tokens:
-                tally.full_resumes += 1
-            else:
-                tally.full_retries += 1
+        self._full.pop(worker_id, None)
+        holds = self._holds(worker_id)
+        if before is not None and before[0] == beat.epoch:  # a new epoch loses every hold
+            listed = set(beat.active)
+            for assignment in self._holds_before:
+                if assignment in holds or assignment in listed:
+                    continue
+                backed = self.cluster.worker_oracles.ended_before(
+                    worker_id, self.router_id, beat, assignment
+                )
+                if backed is False:
+                    self._violation(
+                        f"router released {assignment} on {worker_id} for its absence from "
+                        f"heartbeat {beat.seq} (epoch {beat.epoch}), sent before the worker "
+                        "ended it"
+                    )
+        for key in [k for k in self._missing if k[0] == worker_id]:
+            if holds.get(key[1]) is not Hold.MISSING:
+                del self._missing[key]
+        for assignment, state in holds.items():
+            if state is Hold.MISSING:
+                self._missing.setdefault((worker_id, assignment), now)
+
+    def _check_stuck(self, worker_id: str, event: RouterEvent, now: float) -> None:
+        """The router calls a worker stuck only when its decoder really stopped (or was
+        slowed) while the attempt's deadline ran: a hang, a stall, a pool out of
+        blocks, or a worker the swarm made slow."""
+        disturbances = self.disturbances
+        if disturbances is None or worker_id in disturbances.slow:
+            return
+        config = self.config
+        since = now - max(config.token_timeout_s, config.first_token_timeout_s)
+        if isinstance(event, TimerFired) and isinstance(event.key, ProgressTimer):
+            assignment = event.key.assignment
+            tally = self._tallies.get(assignment.request_id)
+            for attempt in tally.attempts if tally else ():
+                if attempt.assignment == assignment:
+                    since = attempt.progress_at
+        if not disturbances.explains(worker_id, since, now, PROGRESS_STOPS):
+            self._violation(
+                f"router moved {worker_id} to stuck at {now:.4f}, and its decoder was "
+                f"neither hung, stalled, short of blocks nor slow since {since:.4f}"
+            )
 
     # --- cache-aware placement ---
 
@@ -619,6 +746,35 @@ class Oracles:
                     f"made no progress for {waited:.2f}s (deadline {deadline:.2f}s + "
                     f"{slack_s:.2f}s), and the router still waits"
                 )
+        if self._missing:
+            self._check_missing(now)
+
+    def _check_missing(self, now: float) -> None:
+        """A confirmed hold missing from the worker's heartbeats is given up (released,
+        or its attempt failed over) within the heartbeat timeout plus one heartbeat
+        interval and the network's delays, whatever else ends it first. A disturbed
+        worker's next heartbeat may be lost or late (one interval more); one whose
+        heartbeats stop (a stall, a cut, a crash) is ended by the liveness deadline
+        instead, one more heartbeat timeout later."""
+        config, disturbances = self.config, self.disturbances
+        interval = self.cluster.heartbeat_interval_s
+        delays = 2 * (disturbances.delay_max_s if disturbances is not None else 0.0)
+        bound = config.heartbeat_timeout_s + interval + delays + 0.06
+        for (worker_id, assignment), since in list(self._missing.items()):
+            if self._holds(worker_id).get(assignment) is not Hold.MISSING:
+                del self._missing[worker_id, assignment]
+                continue
+            allowed = bound
+            if disturbances is not None and disturbances.explains(worker_id, since, now):
+                allowed += interval
+                if disturbances.explains(worker_id, since, now, HEARTBEAT_STOPS):
+                    allowed += config.heartbeat_timeout_s
+            if now - since > allowed:
+                self._violation(
+                    f"router kept {assignment} on {worker_id} missing from its heartbeats "
+                    f"for {now - since:.3f}s (since {since:.4f}; bound {allowed:.3f}s)"
+                )
+                del self._missing[worker_id, assignment]
 
     # --- the end of a run ---
 
@@ -642,7 +798,7 @@ class WorkerOracles:
     """The worker-side checks above (answered Resends, waste), for every worker. Keys
     name the worker process (its start count), since its epochs are per router."""
 
-    def __init__(self, cluster: Cluster, disturbances: Disturbances | None) -> None:
+    def __init__(self, cluster: ClusterView, disturbances: Disturbances | None) -> None:
         self.cluster = cluster
         self.disturbances = disturbances
         self.violations: list[str] = []
@@ -652,19 +808,33 @@ class WorkerOracles:
         self._sent: dict[tuple[str, int, Assignment], int] = {}  # tokens a worker sent
         self._completed: dict[tuple[str, int], deque[Assignment]] = {}
         self.completions: Counter[tuple[str, int]] = Counter()  # per worker process
+        # When each worker process took and ended each assignment, and sent each
+        # heartbeat, in worker events handled (ticks), to tell which came first.
+        self._tick = 0
+        self._took: dict[tuple[str, int, Assignment], int] = {}
+        self._ended: dict[tuple[str, int, Assignment], int] = {}
+        self._beats: dict[tuple[str, str, int, int], tuple[int, int]] = {}
 
     def _violation(self, text: str) -> None:
         self.violations.append(text)
 
     def after_worker(self, worker_id: str, event: WorkerEvent, effects: list[WorkerEffect]) -> None:
         process = self.cluster.process(worker_id)
+        self._tick += 1
+        tick = self._tick
         for effect in effects:
             if not isinstance(effect, SendToRouter):
+                if isinstance(effect, StartDecode):
+                    self._took[worker_id, process, effect.assignment] = tick
+                elif isinstance(effect, StopDecode):
+                    self._ended.setdefault((worker_id, process, effect.assignment), tick)
                 continue
             match effect.message:
                 case Token(assignment, index):
                     key = (worker_id, process, assignment)
                     self._sent[key] = max(self._sent.get(key, 0), index + 1)
+                case Heartbeat(epoch=epoch, seq=seq):
+                    self._beats[worker_id, effect.router_id, epoch, seq] = (process, tick)
                 case Finished(assignment, reason) if reason in ("eos", "length"):
                     retained = self.cluster.workers[worker_id].config.retained_outputs
                     done = self._completed.setdefault((worker_id, process), deque(maxlen=retained))
@@ -672,12 +842,27 @@ class WorkerOracles:
                         done.append(assignment)
                         self.completions[worker_id, process] += 1
                     self._sent.pop((worker_id, process, assignment), None)
+                    self._ended.setdefault((worker_id, process, assignment), tick)
                 case Finished(assignment):
                     self._sent.pop((worker_id, process, assignment), None)
+                    self._ended.setdefault((worker_id, process, assignment), tick)
                 case HandOff() as handoff:
                     self._check_handoff(worker_id, handoff, effect.router_id)
         if isinstance(event, FromRouterMessage) and isinstance(event.message, Resend):
             self._check_resend(worker_id, process, event.message, effects)
+
+    def ended_before(
+        self, worker_id: str, router_id: str, beat: Heartbeat, assignment: Assignment
+    ) -> bool | None:
+        """Had the worker process that sent this heartbeat taken and ended the assignment
+        before sending it? None: no worker sent such a heartbeat."""
+        sent = self._beats.get((worker_id, router_id, beat.epoch, beat.seq))
+        if sent is None:
+            return None
+        process, tick = sent
+        took = self._took.get((worker_id, process, assignment))
+        ended = self._ended.get((worker_id, process, assignment))
+        return took is not None and took <= tick and ended is not None and ended <= tick
 
     def _check_handoff(self, worker_id: str, handoff: HandOff, router_id: str) -> None:
         """A HandOff gives a router back only what the worker holds of that router's,

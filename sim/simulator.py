@@ -40,17 +40,21 @@ from functools import partial
 from random import Random
 
 from core.batching import BatchLimits, StepPlan
+from core.config import RouterConfig
 from core.fake_model import VOCAB
 from core.protocol import (
+    Assignment,
     DeliverError,
     DeliverFinished,
     DeliverToken,
+    Finished,
     GenerationRequest,
     Heartbeat,
+    Offer,
+    OfferResult,
     Sampling,
     Token,
 )
-from core.router import RouterConfig
 from sim.clock import Clock
 from sim.cluster import MISBEHAVIOURS, Cluster, InvariantViolation, Packet
 from sim.oracles import Disturbances
@@ -176,6 +180,15 @@ class Swarm:
     # finish; and some seeds restart every worker in turn, under load (a rollout).
     drain_handoff: bool = True
     rolling_restart: bool = False
+    # Drawn after those: each worker's KV pool as a share of one where every slot's
+    # largest request fits at once (1.0); below that, the scheduler preempts by
+    # recompute when a step's growth finds the pool out (core/scheduler.py).
+    pool_share: tuple[float, ...] = ()
+    # Drawn after those: finished outputs whose Finished dies with its worker, so that
+    # a continuation with every token delivered runs, and its acceptance is held back
+    # until its Finished has overtaken it (the `finish_lost` fault; its times come from
+    # their own random stream).
+    finish_losses: int = 0
 
 
 def draw_swarm(rng: Random, scenario: Scenario) -> Swarm:
@@ -220,7 +233,15 @@ def draw_swarm(rng: Random, scenario: Scenario) -> Swarm:
         future_epochs=count("future_epoch", 2),
         drain_handoff=rng.random() < 0.8,
         rolling_restart=rng.random() < 0.15,
+        pool_share=_pool_shares(rng, n),
+        finish_losses=rng.randint(1, 2) if rng.random() < 0.25 else 0,
     )
+
+
+def _pool_shares(rng: Random, workers: int) -> tuple[float, ...]:
+    if rng.random() < 0.5:
+        return (1.0,) * workers
+    return tuple(rng.uniform(0.05, 0.7) for _ in range(workers))
 
 
 @dataclass(frozen=True)
@@ -264,6 +285,7 @@ class SimResult:
     client_retries: int = 0  # requests sent again after their router died
     full_declines: int = 0  # attempts a worker declined for want of a slot
     handoffs: tuple[int, int] = (0, 0)  # streams handed off by draining workers; gone back
+    preemptions: tuple[int, int] = (0, 0)  # sequences preempted by recompute; tokens redone
     trace_hash: str | None = None
     trace_tail: list[str] = field(default_factory=list)
 
@@ -293,6 +315,7 @@ class Simulation:
         self._decoder_rng = Random(f"{seed}/decoder")
         self._logprobs_rng = Random(f"{seed}/logprobs")  # its own: the other draws stay put
         self._routers_rng = Random(f"{seed}/routers")  # likewise
+        self._finish_rng = Random(f"{seed}/finish")  # likewise: the finish_lost fault
         self.router_faults = draw_router_faults(self._routers_rng, self.scenario)
         self.clock = Clock()  # the one clock and event queue: ours and the machines' timers
         self.faults: Counter[str] = Counter()
@@ -324,6 +347,10 @@ class Simulation:
         )
         if "delay_spread" in self.swarm.enabled:
             self.disturbances.note("delay_spread")
+        self.disturbances.delay_max_s = self._delay_max_s
+        self.disturbances.slow = frozenset(
+            f"w{i}" for i, slow in enumerate(self.swarm.slowness) if slow > 1.0
+        )
         # How long a worker may keep an assignment the router does not want, once it and
         # its link are undisturbed: a heartbeat reports it, the Cancel comes back.
         self._waste_every_s = 0.05
@@ -369,6 +396,14 @@ class Simulation:
             timeline.routers = list(self.cluster.router_names)
             timeline.workers = list(worker_ids)
             self.cluster.on_deliver = self._handed
+        # finish_lost: when each strikes (at the first completion from then on); the
+        # requests whose Finished it took; their continuations, whose acceptance waits.
+        window = self.scenario.fault_end_s
+        self._finish_at = sorted(
+            self._finish_rng.uniform(0.5, window) for _ in range(self.swarm.finish_losses)
+        )
+        self._completing: set[tuple[str, str]] = set()
+        self._overtaken: dict[Assignment, Packet | None] = {}
         self._plan_clients()
         self._plan_faults(worker_ids)
         for at, which, downtime in self.router_faults.crashes:
@@ -382,6 +417,7 @@ class Simulation:
             self._trace(f"seed {self.seed} swarm {sorted(self.swarm.enabled)}")
         for index, worker_id in enumerate(self._worker_ids):
             slots = self.swarm.slots[index]
+            self.cluster.pool_share[worker_id] = self.swarm.pool_share[index]
             assert self.cluster.start_worker(worker_id, slots=slots)
             chunk = self.swarm.max_prefill_tokens
             self._limits[worker_id] = BatchLimits(
@@ -643,6 +679,8 @@ class Simulation:
     # --- network ---
 
     def _on_send(self, packet: Packet) -> None:
+        if (self._finish_at or self._overtaken) and self._finish_lost(packet):
+            return
         rng = self._net
         swarm = self.swarm
         delay = rng.uniform(swarm.delay_min_s, swarm.delay_max_s)
@@ -680,6 +718,59 @@ class Simulation:
                 self.clock.now + later, self._deliver, old, self._sent(old, "replay")
             )
         self._history.append(packet)
+
+    def _finish_lost(self, packet: Packet) -> bool:
+        """The finish_lost fault. A worker's Finished of a completed output is lost and
+        the worker dies with it (its last token already sent), so the router resumes a
+        stream whose every token the client has; that continuation's acceptance is then
+        held back until its own Finished has gone out, which overtakes it. True: the
+        packet is taken (lost, or held back)."""
+        message, now = packet.message, self.clock.now
+        match message:
+            case Finished(assignment, reason) if packet.to is None:
+                if assignment in self._overtaken:  # the continuation's end: let it overtake
+                    held = self._overtaken.pop(assignment)
+                    if held is not None:
+                        later = now + self._delay_max_s + self._finish_rng.uniform(0.001, 0.01)
+                        self.clock.schedule(later, self._deliver, held, self._sent(held, "late"))
+                    return False
+                if (
+                    reason not in ("eos", "length")
+                    or not self._finish_at
+                    or now < self._finish_at[0]
+                    or self.healed
+                    or not self.cluster.alive(packet.source)
+                ):
+                    return False
+                self._finish_at.pop(0)
+                self._fault("finish_lost", f"{packet.source} {assignment}")
+                self._disturb(packet.source, "loss", 0.0)
+                if self.timeline is not None:
+                    self.timeline.lost(self._sent(packet), now)
+                self._completing.add((packet.router, assignment.request_id))
+                downtime = self._finish_rng.uniform(0.1, 1.0)
+                self.clock.schedule(now, self._crash, packet.source, downtime)
+                return True
+            case Offer(assignment=assignment, request=request) if request.output_prefix:
+                key = (packet.router, assignment.request_id)
+                if key in self._completing:
+                    self._completing.discard(key)
+                    self._overtaken[assignment] = None
+            case OfferResult(assignment=assignment, accepted=True):
+                if assignment in self._overtaken and self._overtaken[assignment] is None:
+                    # Held back until its Finished is sent (or, at the latest, just
+                    # within the offer timeout).
+                    self._overtaken[assignment] = packet
+                    hold_s = 0.8 * self.scenario.router.offer_timeout_s
+                    self._disturb(packet.source, "late", hold_s)
+                    self.clock.schedule(now + hold_s, self._release_result, assignment)
+                    return True
+        return False
+
+    def _release_result(self, assignment: Assignment) -> None:
+        held = self._overtaken.pop(assignment, None)
+        if held is not None:
+            self._deliver(held, self._sent(held, "late"))
 
     def _deliver(self, packet: Packet, flight: int = -1) -> None:
         worker_id = _worker_of(packet)
@@ -1041,6 +1132,7 @@ class Simulation:
             client_retries=self._client_retries,
             full_declines=cluster.full_declines(),
             handoffs=cluster.handoffs(),
+            preemptions=(cluster.preemptions, cluster.recomputed_tokens),
             prefill_tokens=(cluster.prefill_tokens[0], cluster.prefill_tokens[1]),
             trace_hash=self._hash.hexdigest() if self._hash is not None else None,
             trace_tail=list(self._tail),

@@ -33,6 +33,9 @@ class SweepSummary:
     handoffs: int = 0
     handoffs_back: int = 0
     rolling_runs: int = 0
+    preemptions: int = 0  # sequences the workers' schedulers preempted by recompute
+    recomputed_tokens: int = 0  # output tokens those preemptions computed again
+    preempting_runs: int = 0  # runs with at least one preemption
     attempts_lost: int = 0
     waste_s: float = 0.0
     errors: Counter[str] = field(default_factory=Counter)
@@ -58,6 +61,9 @@ class SweepSummary:
         self.handoffs += result.handoffs[0]
         self.handoffs_back += result.handoffs[1]
         self.rolling_runs += result.faults["rolling_restart"] > 0
+        self.preemptions += result.preemptions[0]
+        self.recomputed_tokens += result.preemptions[1]
+        self.preempting_runs += result.preemptions[0] > 0
         self.attempts_lost += result.attempts_lost
         self.waste_s += result.waste_s
         self.errors.update(result.errors)

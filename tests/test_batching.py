@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from core.batching import BatchLimits, Running, Waiting, admit, plan_step
+from core.batching import BatchLimits, Running, plan_step
 
 LIMITS = BatchLimits(
     max_seqs=4, max_context=100, max_step_tokens=10, max_prefill_tokens=4, max_idle_prefill_tokens=7
@@ -39,13 +39,6 @@ def test_a_step_with_nothing_to_decode_prefills_its_larger_idle_budget() -> None
 
 def test_the_last_chunk_is_what_remains() -> None:
     assert plan_step([Running(1, 9, 7)], LIMITS).prefill == ((1, 2),)
-
-
-def test_admission_is_fifo_bounded_by_slots_and_rejects_what_never_fits() -> None:
-    waiting = [Waiting(1, 50), Waiting(2, 101), Waiting(3, 100), Waiting(4, 10)]
-    decision = admit(waiting, running=2, limits=LIMITS)
-    assert decision.admitted == (1, 3)
-    assert decision.rejected == (2,)
 
 
 def test_limits_must_leave_room_for_prefill() -> None:

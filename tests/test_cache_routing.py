@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from core.blocks import chain_hashes
+from core.config import RouterConfig
 from core.protocol import (
     Assignment,
     CacheReport,
@@ -12,7 +13,7 @@ from core.protocol import (
     Submit,
     Token,
 )
-from core.router import Router, RouterConfig
+from core.router import Router
 from tests.test_router_scenarios import offers
 
 SYSTEM = tuple(range(100, 164))  # 64 tokens: four blocks of 16

@@ -30,8 +30,9 @@ from adapters.openai.dashboard import PAGE, Dashboard, History
 from adapters.runtime.controller import Controller
 from adapters.runtime.embedded import run_local_worker
 from adapters.runtime.worker_host import FakeDecoder, WorkerHost
+from core.config import RouterConfig
 from core.protocol import Assignment, GenerationRequest, Token
-from core.router import RouterConfig, RouterStatistics
+from core.router import RouterStatistics
 from core.worker import WorkerConfig
 from tests.browser import INSTALL_HINT, chromium, find_chromium
 from tests.http_helpers import ServerThread, chat_body

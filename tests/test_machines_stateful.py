@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from core.config import RouterConfig
 from core.protocol import (
     ArmTimer,
     Assignment,
@@ -46,7 +47,7 @@ from core.protocol import (
     TokenRun,
     WorkerEffect,
 )
-from core.router import Router, RouterConfig
+from core.router import Router
 from core.worker import Worker, WorkerConfig
 from sim.cluster import Cluster
 

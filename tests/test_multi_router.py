@@ -27,8 +27,8 @@ import trio
 from adapters.runtime.controller import Controller
 from adapters.runtime.tcp import Address, RemoteWorker, serve_workers
 from adapters.runtime.worker_host import FakeDecoder
+from core.config import RouterConfig
 from core.protocol import Heartbeat, Register
-from core.router import RouterConfig
 from core.wire import encode_frame
 from core.worker import WorkerConfig
 from tests.process_helpers import LogWatcher, fencepost, healthy_workers, metric, wait_for

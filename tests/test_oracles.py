@@ -5,6 +5,15 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+from core.protocol import (
+    Assignment,
+    Finished,
+    GenerationRequest,
+    Heartbeat,
+    SendToRouter,
+    StartDecode,
+    WorkerStart,
+)
 from sim.cluster import Cluster
 from sim.oracles import FENCE_CAUSES, Disturbances
 from sim.simulator import FAULT_KINDS
@@ -49,3 +58,23 @@ def test_every_cause_named_is_a_fault_the_simulator_injects_or_a_run_event() -> 
     known = set(FAULT_KINDS) | {"attempt_lost", "resend", "overtake"}
     for reason, causes in FENCE_CAUSES.items():
         assert causes <= known, (reason, causes - known)
+
+
+def test_a_release_for_absence_needs_a_heartbeat_sent_after_the_worker_ended_it() -> None:
+    cluster = Cluster(["w0"])
+    seen = cluster.worker_oracles
+    assignment = Assignment("r0", 1)
+    request = GenerationRequest("r0", (1, 2, 3), 4)
+
+    def beat(seq: int) -> Heartbeat:
+        return Heartbeat("w0", 0, seq, 2, 2, 4096)
+
+    seen.after_worker("w0", WorkerStart(), [SendToRouter(beat(10))])
+    seen.after_worker("w0", WorkerStart(), [StartDecode(assignment, request)])
+    seen.after_worker("w0", WorkerStart(), [SendToRouter(beat(11))])
+    seen.after_worker("w0", WorkerStart(), [SendToRouter(Finished(assignment, "eos", 3))])
+    seen.after_worker("w0", WorkerStart(), [SendToRouter(beat(12))])
+    assert seen.ended_before("w0", "", beat(10), assignment) is False  # before it took it
+    assert seen.ended_before("w0", "", beat(11), assignment) is False  # while it ran
+    assert seen.ended_before("w0", "", beat(12), assignment) is True
+    assert seen.ended_before("w0", "", beat(13), assignment) is None  # no worker sent it

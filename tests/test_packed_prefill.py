@@ -41,14 +41,16 @@ class ChunkByChunk(Engine):
     from Engine._prefill so that a mistake there cannot hide in both)."""
 
     def _prefill(self, chunks: list[Any], events: list[DecoderEvent]) -> None:
+        scheduler = self.scheduler
         for seq, count in chunks:
-            context = seq.context
-            chunk = torch.tensor(context[seq.prefilled : seq.prefilled + count])
-            logits = self.runner.prefill(self.blocks.table(seq.key), seq.prefilled, chunk)
-            seq.prefilled += count
+            prefilled, _ = scheduler.progress(seq.key)
+            tokens = scheduler.tokens(seq.key)
+            chunk = torch.tensor(tokens[prefilled : prefilled + count])
+            logits = self.runner.prefill(self.blocks.table(seq.key), prefilled, chunk)
+            complete = scheduler.prefilled(seq.key, count)
             self._computed_tokens += count
-            self.blocks.commit(seq.key, context[: seq.prefilled])
-            if seq.prefilled == len(context):
+            self.blocks.commit(seq.key, tokens[: prefilled + count])
+            if complete:
                 logits = logits[None]
                 if seq.matcher is not None:
                     grammars = self.grammars()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from msgspec.structs import replace
 
+from core.config import RouterConfig
 from core.protocol import (
     ArmTimer,
     Assignment,
@@ -36,7 +37,7 @@ from core.protocol import (
     TokenRun,
     WorkerGone,
 )
-from core.router import Router, RouterConfig
+from core.router import Router
 
 
 def request(rid: str, max_new: int = 8, prompt: tuple[int, ...] = (1, 2, 3)) -> GenerationRequest:

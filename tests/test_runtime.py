@@ -10,6 +10,7 @@ from adapters.runtime.embedded import run_local_worker
 from adapters.runtime.loop import Mailbox, Timers
 from adapters.runtime.tcp import RemoteWorker, TransportLimits, serve_workers
 from adapters.runtime.worker_host import FakeDecoder
+from core.config import RouterConfig
 from core.fake_model import reference_output, reference_tokens
 from core.protocol import (
     Assignment,
@@ -24,7 +25,6 @@ from core.protocol import (
     Token,
     ToWorker,
 )
-from core.router import RouterConfig
 from core.wire import encode_frame
 from core.worker import WorkerConfig
 from tests.runtime_helpers import collect, healthy, raw_connection, settled, wait_until

@@ -10,7 +10,7 @@ from adapters.cli.main import main
 from adapters.cli.mutants import MUTANTS, Mutant, run_mutant
 from core.requests import Requests
 from core.worker import WorkerConfig
-from sim.coverage import UNREACHABLE
+from sim.coverage import RARE, UNREACHABLE, seeds_taking
 from sim.simulator import FAULT_KINDS, STANDARD, Scenario, Simulation, run_seed
 from sim.sweep import SweepSummary, check_determinism, sweep
 
@@ -119,25 +119,36 @@ def test_the_sweep_really_injects_every_fault_and_exercises_every_fence(
     assert completed > 0.6 * default_sweep.requests
     # streams that lost their worker after the first token were resumed, many times
     # over, and only a few ran out of resumes (every one of them checked exactly); the
-    # other worker_lost outcomes found no healthy worker at all (blackouts, mostly)
+    # other worker_lost outcomes found no healthy worker at all (blackouts, mostly).
+    # Since the workers' pools can be short of blocks (issue 34), a slow worker that
+    # preempts misses more progress deadlines: 1,280 resumes against 64 run out over
+    # seeds 0-499, where it was over 20 to 1 before.
     nowhere = ("no healthy worker", "no worker can continue")
     ran_out = sum(
         n
         for cause, n in default_sweep.errors.items()
         if cause.startswith("worker_lost") and not any(w in cause for w in nowhere)
     )
-    assert default_sweep.resumes > 20 * ran_out
+    assert default_sweep.resumes > 15 * ran_out
 
 
 @ONE_SWEEP
 def test_the_standard_sweep_takes_every_move_of_every_table(default_sweep: SweepSummary) -> None:
     """A blind spot shows up here: a move no run takes is never judged by an oracle."""
-    assert default_sweep.coverage.never_taken() == []
+    assert set(default_sweep.coverage.never_taken()) <= set(RARE)
     rows = default_sweep.coverage.rows()
     for table, state, event, _, count in rows:
         if (table, state, event) in UNREACHABLE:
             assert count == 0, f"{table} {state} {event} is taken after all"
     assert {(t, s, e) for t, s, e, _, _ in rows} >= set(UNREACHABLE)
+
+
+@pytest.mark.parametrize(("move", "seed_why"), list(RARE.items()))
+def test_a_rare_move_is_taken_by_its_seed(
+    move: tuple[str, str, str], seed_why: tuple[int, str]
+) -> None:
+    seed, why = seed_why
+    assert seeds_taking(move, range(seed, seed + 1)) == [seed], f"{move} ({why})"
 
 
 @ONE_SWEEP
@@ -156,6 +167,14 @@ def test_the_sweep_reaches_the_paths_the_old_one_never_did(default_sweep: SweepS
     assert default_sweep.errors[queued_resume] > 0
     # every loss of an attempt was explained by a fault on its worker, and there were many
     assert default_sweep.attempts_lost > 5 * default_sweep.runs
+
+
+@ONE_SWEEP
+def test_the_sweep_preempts_by_recompute(default_sweep: SweepSummary) -> None:
+    """Pools too small for every slot's largest request: the schedulers preempt (and
+    every oracle of a preempted sequence has something to judge) in many seeds."""
+    assert default_sweep.preempting_runs >= DEFAULT_SWEEP_SEEDS // 10
+    assert default_sweep.recomputed_tokens > default_sweep.preemptions > 0
 
 
 @ONE_SWEEP

@@ -20,6 +20,7 @@ import trio
 
 from adapters.runtime.controller import Controller
 from adapters.runtime.tcp import serve_workers
+from core.config import RouterConfig
 from core.fake_model import reference_tokens
 from core.protocol import (
     Assignment,
@@ -29,7 +30,6 @@ from core.protocol import (
     Heartbeat,
     Token,
 )
-from core.router import RouterConfig
 from core.wire import encode_frame
 from tests.runtime_helpers import collect, healthy, raw_connection, settled, wait_until
 

@@ -13,6 +13,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from core.config import RouterConfig
 from core.protocol import (
     Assignment,
     DeliverToken,
@@ -25,7 +26,7 @@ from core.protocol import (
     Submit,
     Token,
 )
-from core.router import Router, RouterConfig
+from core.router import Router
 
 
 @dataclass(frozen=True)

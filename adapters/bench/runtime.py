@@ -30,8 +30,8 @@ from adapters.runtime.embedded import run_local_worker
 from adapters.runtime.tcp import serve_workers
 from adapters.runtime.tls import Credentials, TlsFiles, server_context
 from adapters.runtime.worker_host import FakeDecoder
+from core.config import RouterConfig
 from core.protocol import DeliverError, GenerationRequest
-from core.router import RouterConfig
 from core.worker import WorkerConfig
 
 

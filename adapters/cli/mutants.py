@@ -63,25 +63,25 @@ MUTANTS = (
     ),
     Mutant(
         "router resumes a started stream from scratch",
-        "core/requests.py",
+        "core/placement.py",
         "    if not req.tokens:\n        return req.request\n",
         "    if req.tokens is not None:\n        return req.request\n",
     ),
     Mutant(
         "router resumes at k-1",
-        "core/requests.py",
+        "core/placement.py",
         "output_prefix=tuple(req.tokens))",
         "output_prefix=tuple(req.tokens[:-1]))",
     ),
     Mutant(
         "router resumes at k+1",
-        "core/requests.py",
+        "core/placement.py",
         "output_prefix=tuple(req.tokens))",
         "output_prefix=(*req.tokens, req.tokens[-1]))",
     ),
     Mutant(
         "router resumes without the sampling seed",
-        "core/requests.py",
+        "core/placement.py",
         "output_prefix=tuple(req.tokens))",
         "output_prefix=tuple(req.tokens),\n"
         "                       sampling=replace(req.request.sampling, seed=None))",
@@ -100,7 +100,7 @@ MUTANTS = (
     ),
     Mutant(
         "router never frees the slot of a completed request",
-        "core/requests.py",
+        "core/ledger.py",
         '        assert finished.reason in ("eos", "length")\n        self._release(req, out)\n',
         '        assert finished.reason in ("eos", "length")\n',
     ),
@@ -145,37 +145,37 @@ MUTANTS = (
     ),
     Mutant(
         "router asks a Resend one index too far",
-        "core/requests.py",
+        "core/ledger.py",
         "Resend(req.active, req.delivered)",
         "Resend(req.active, req.delivered + 1)",
     ),
     Mutant(
         "router offers to workers it holds unhealthy",
-        "core/fleet.py",
+        "core/slots.py",
         "if w.healthy and w.max_context >= context_tokens]",
         "if w.max_context >= context_tokens]",
     ),
     Mutant(
         "router arms the offer timer at an absolute time",
-        "core/requests.py",
+        "core/placement.py",
         "ArmTimer(OfferTimer(assignment), self.now + self.config.offer_timeout_s)",
         "ArmTimer(OfferTimer(assignment), self.config.offer_timeout_s)",
     ),
     Mutant(
         "router retries one attempt past max_attempts",
-        "core/requests.py",
+        "core/placement.py",
         "        if req.attempt - req.full_retries >= self.config.max_attempts:\n",
         "        if req.attempt - req.full_retries > self.config.max_attempts:\n",
     ),
     Mutant(
         "router resumes one time past max_resumes",
-        "core/requests.py",
+        "core/placement.py",
         'if kind == "failed" or req.resumes - req.full_resumes >= self.config.max_resumes:',
         'if kind == "failed" or req.resumes - req.full_resumes > self.config.max_resumes:',
     ),
     Mutant(
         "router accepts a heartbeat of an epoch it retired",
-        "core/fleet.py",
+        "core/slots.py",
         "            beat.epoch <= self.gone_epoch\n            or beat.epoch < self.epoch\n",
         "            beat.epoch < self.epoch\n",
     ),
@@ -189,7 +189,7 @@ MUTANTS = (
     ),
     Mutant(
         "router does not cancel a late accept",
-        "core/fleet.py",
+        "core/slots.py",
         '                self._fenced["orphan"] += 1\n'
         "                out.append(SendToWorker(worker_id, Cancel(assignment)))\n",
         '                self._fenced["orphan"] += 1\n',
@@ -225,7 +225,7 @@ MUTANTS = (
     # Issue 16: progress deadlines (a decoder that hangs while its worker heartbeats).
     Mutant(
         "router never arms the progress deadline",
-        "core/requests.py",
+        "core/ledger.py",
         "        out.append(ArmTimer(ProgressTimer(req.active), req.progress_by))\n\n",
         "\n",
     ),
@@ -264,7 +264,7 @@ MUTANTS = (
     ),
     Mutant(
         "router trusts a cache report as fresh forever",
-        "core/fleet.py",
+        "core/slots.py",
         "        if report is None or self.now - worker.cache_seen_at > "
         "self.config.cache_report_max_age_s:\n",
         "        if report is None:\n",
@@ -344,6 +344,89 @@ MUTANTS = (
         "core/worker.py",
         "                held = tuple(a for a in self._active if a.router == router)\n",
         "                held = tuple(self._active)\n",
+    ),
+    # Issue 34: the decoders' scheduler (core/scheduler.py), which the simulated workers
+    # run over pools small enough to preempt.
+    Mutant(
+        "scheduler preempts the oldest sequence",
+        "core/scheduler.py",
+        "                victim = next(reversed(self._running))\n",
+        "                victim = next(iter(self._running))\n",
+    ),
+    Mutant(
+        "scheduler keeps a preempted sequence's blocks",
+        "core/scheduler.py",
+        "        entry.state = SEQUENCE.next(entry.state, SeqEvent.PREEMPTED)\n"
+        "        self.pool.release(key)\n",
+        "        entry.state = SEQUENCE.next(entry.state, SeqEvent.PREEMPTED)\n",
+    ),
+    Mutant(
+        "scheduler re-admits a preempted sequence without its output",
+        "core/scheduler.py",
+        "        entry.context = len(entry.tokens)\n"
+        "        entry.prefilled, entry.chain = 0, None\n",
+        "        entry.prefilled, entry.chain = 0, None\n",
+    ),
+    Mutant(
+        "scheduler counts a recomputed output as new output",
+        "core/scheduler.py",
+        "        entry.context = len(entry.tokens)\n",
+        "        entry.tokens += entry.tokens[entry.context :]\n"
+        "        entry.context = len(entry.tokens)\n",
+    ),
+    Mutant(
+        "scheduler grows a block before the boundary",
+        "core/scheduler.py",
+        "            positions = len(entry.tokens)  # the last token's position is written next\n",
+        "            positions = len(entry.tokens) + 1\n",
+    ),
+    Mutant(
+        "scheduler puts a preempted sequence at the back of the queue",
+        "core/scheduler.py",
+        "        self._waiting = {key: entry, **self._waiting}\n",
+        "        self._waiting[key] = entry\n",
+    ),
+    # Issue 34, item 5: each killed only by the oracle or fault named in simulator.md.
+    Mutant(
+        "block manager shares a whole cached context",
+        "core/blocks.py",
+        "        usable = (len(tokens) - 1) // self.block_size"
+        "  # keep at least one token to compute\n",
+        "        usable = len(tokens) // self.block_size\n",
+    ),
+    Mutant(
+        "router gives a missing hold two heartbeat timeouts",
+        "core/fleet.py",
+        "            if self.now - record.missing_since < self.config.heartbeat_timeout_s:\n",
+        "            if self.now - record.missing_since < 2 * self.config.heartbeat_timeout_s:\n",
+    ),
+    Mutant(
+        "router takes a timed-out offer for a stuck decoder",
+        "core/requests.py",
+        '            self._attempt_lost(req, "no_worker", "offer timed out", out)\n',
+        "            self.fleet.progress_missed(req.worker_id)\n"
+        '            self._attempt_lost(req, "no_worker", "offer timed out", out)\n',
+    ),
+    Mutant(
+        "draining worker leaves the streams it hands off out of its heartbeats",
+        "core/worker.py",
+        "            active=tuple(a for a in self._active if a.router == router),\n",
+        "            active=tuple(\n"
+        "                a for a in self._active if a.router == router and not self.handing_off\n"
+        "            ),\n",
+    ),
+    Mutant(
+        "router counts the declined offer's slot as free",
+        "core/slots.py",
+        "            worker.others = max(worker.others, worker.slots - len(worker.holds))\n",
+        "            worker.others = max(worker.others, worker.slots - len(worker.holds) - 1)\n",
+    ),
+    Mutant(
+        "router completes a Finished that overtook its acceptance without accepting",
+        "core/requests.py",
+        "        if req.phase is P.OFFERED:\n            self._accept(req, out)\n"
+        "        if finished.completion_tokens == req.delivered:\n",
+        "        if finished.completion_tokens == req.delivered:\n",
     ),
 )
 

@@ -53,7 +53,7 @@ from adapters.runtime.embedded import run_local_worker
 from adapters.runtime.tcp import serve_workers
 from adapters.runtime.tls import Credentials, TlsError, TlsFiles, server_context
 from adapters.runtime.worker_host import Decoder, EngineDecoder, FakeDecoder, serving_engine
-from core.router import RouterConfig
+from core.config import RouterConfig
 from core.worker import WorkerConfig
 
 log = logging.getLogger("fencepost.serve")

@@ -148,7 +148,8 @@ def _print_result_line(result: SimResult) -> None:
     )
     print(
         f"  outcomes: {_counts(result.outcomes)}; streams resumed: {result.resumes}; "
-        f"handed off by draining workers: {result.handoffs[0]} ({result.handoffs[1]} back)"
+        f"handed off by draining workers: {result.handoffs[0]} ({result.handoffs[1]} back); "
+        f"preempted: {result.preemptions[0]} ({result.preemptions[1]} tokens recomputed)"
     )
     if result.routers > 1:
         print(
@@ -187,6 +188,11 @@ def _print_summary(summary: SweepSummary, elapsed_s: float) -> None:
     print(
         f"prefill tokens: {submitted} admitted, {computed} computed "
         f"({1 - computed / max(1, submitted):.0%} found in the prefix caches)"
+    )
+    print(
+        f"preempted by recompute: {summary.preemptions} sequences in "
+        f"{summary.preempting_runs} runs ({summary.preempting_runs / max(1, summary.runs):.0%}), "
+        f"{summary.recomputed_tokens} output tokens computed again"
     )
     never = summary.coverage.never_taken()
     print(f"machine moves taken: {summary.coverage.summary()}")

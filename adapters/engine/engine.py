@@ -25,15 +25,13 @@ What happens to a chosen token (its index, the stop rule, an already-ended
 continuation) is core/decoding.py's Generation, shared with the fake decoders.
 
 KV memory is a pool of blocks (adapters/engine/runner.py holds the tensors,
-core/blocks.py's BlockManager decides who holds which block). A waiting
-sequence is admitted when a row is free and the pool has blocks for its known
-context (blocks already cached for its prefix are shared, not computed
-again). Before each step every decoding sequence is given the block its next
-position needs; when the pool is out, the most recently admitted sequence is
-preempted by recompute: its blocks go back, and it waits at the head of the
-queue with its context = prompt + output so far, its Generation intact, so it
-goes on at the next index (mostly from the cache, where its blocks survive).
-Every full block written, prompt or output, is committed to the cache.
+core/blocks.py's BlockManager decides who holds which block). Who waits, who
+runs, who is preempted by recompute and what each step computes is
+core/scheduler.py's Scheduler, the same one the simulator's workers run: this
+engine tells it what a step computed and emitted, and carries out its plans.
+A preempted sequence keeps its Generation, so it goes on at the next index
+(mostly from the cache, where its committed blocks survive). Every full block
+written, prompt or output, is committed to the cache.
 
 Decode steps on a GPU run as CUDA graphs (adapters/engine/static_decode.py):
 the step's inputs go into static buffers padded to a captured batch size,
@@ -75,8 +73,8 @@ from adapters.engine.paged_attention import ATTENTIONS, choose_attention, make_a
 from adapters.engine.runner import DEFAULT_BLOCK_SIZE, Chunk, Runner
 from adapters.engine.sampling import TokenDraw, sample, sample_whole
 from adapters.engine.static_decode import StaticDecode
-from core.batching import BatchLimits, Running, plan_step
-from core.blocks import BlockManager, blocks_for, chain_hashes
+from core.batching import BatchLimits
+from core.blocks import BlockManager
 from core.decoding import Generation
 from core.protocol import (
     Assignment,
@@ -87,6 +85,7 @@ from core.protocol import (
     GenerationRequest,
     TokenLogprob,
 )
+from core.scheduler import Scheduler
 
 DECODE_PATHS = ("auto", "eager", "static", "graphs")
 # Rows the decode attention is measured with at start (lengths spread up to max_context).
@@ -104,12 +103,12 @@ _RATE_WEIGHT = 0.2  # of the newest measurement in the prefill rate's moving ave
 
 @dataclass
 class _Sequence:
+    """What the engine keeps of a scheduled sequence (the Scheduler keeps its tokens,
+    context and blocks)."""
+
     key: int
     request: GenerationRequest
     generation: Generation  # the output so far: a continuation starts with its prefix
-    context: tuple[int, ...]  # what prefill puts in the cache: prompt + output so far
-    prefilled: int = 0  # context tokens in the cache (found cached or computed)
-    chain: list[int] | None = None  # the context's chain keys, once asked for
     matcher: LLMatcher | None = None  # the grammar's state past the output (constrained only)
 
     @property
@@ -120,12 +119,6 @@ class _Sequence:
     def position(self) -> int:
         """Where a decode step writes: the position of the last output token."""
         return len(self.request.prompt_token_ids) + self.generation.next_index - 1
-
-    def written(self, count: int) -> tuple[int, ...]:
-        """The first `count` tokens of prompt + output (what the cache holds, in order)."""
-        if count <= len(self.context):
-            return self.context[:count]
-        return (*self.request.prompt_token_ids, *self.generation.output)[:count]
 
     def draw(self) -> TokenDraw:
         """The draw for this sequence's next token."""
@@ -204,12 +197,11 @@ class Engine:
             say(f"elementwise kernels: {'fused (triton)' if fused is None else f'torch ({fused})'}")
         self.static = self._static_decode(decode, attention)
         self._keys = 0
-        self._waiting: dict[int, _Sequence] = {}  # in queue order
-        self._running: dict[int, _Sequence] = {}  # in admission order
+        self.scheduler = Scheduler(self.blocks, limits)
+        self._sequences: dict[int, _Sequence] = {}  # waiting or running, by key
         self._by_assignment: dict[Assignment, int] = {}
         self._ended: list[DecoderEvent] = []  # continuations that were over at start
         self.last_step = StepTiming()
-        self.preemptions = 0
         self._prompt_tokens = 0  # context tokens submitted for prefill, recomputes included
         self._computed_tokens = 0  # of those, prefilled (not found cached)
         self._prefill_rate = 0.0  # tokens/s, moving average over steps that prefilled
@@ -266,14 +258,15 @@ class Engine:
         self._keys += 1
         stop_ids = self.loaded.eos_token_ids | frozenset(request.stop_token_ids)
         generation = Generation(assignment, request, stop_ids)
-        seq = _Sequence(self._keys, request, generation, context)
+        seq = _Sequence(self._keys, request, generation)
         ended = generation.ended_at_start()
         if ended is not None:  # nothing to add; say so in the next step
             self._ended.append(ended)
             return
         if request.constraint is not None:  # GrammarError is a ValueError: this request fails
             seq.matcher = self.grammars().matcher(request.constraint.grammar, request.output_prefix)
-        self._waiting[seq.key] = seq
+        self.scheduler.add(seq.key, context, request.context_tokens)
+        self._sequences[seq.key] = seq
         self._by_assignment[assignment] = seq.key
 
     def stop(self, assignment: Assignment) -> None:
@@ -281,16 +274,19 @@ class Engine:
         key = self._by_assignment.pop(assignment, None)
         if key is None:
             return
-        self._waiting.pop(key, None)
-        if self._running.pop(key, None) is not None:
-            self.blocks.release(key)
+        del self._sequences[key]
+        self.scheduler.remove(key)
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._ended)
+        return self.scheduler.has_work() or bool(self._ended)
 
     @property
     def active(self) -> int:
-        return len(self._running)
+        return self.scheduler.running
+
+    @property
+    def preemptions(self) -> int:
+        return self.scheduler.preemptions
 
     def grammars(self) -> Grammars:
         """The compiled grammars of this engine's model (built at first use)."""
@@ -312,16 +308,21 @@ class Engine:
         began = time.perf_counter()
         events: list[DecoderEvent] = list(self._ended)
         self._ended.clear()
-        preempted = self._grow()
-        cached = self._admit(events)
-        running = [
-            Running(seq.key, len(seq.context), seq.prefilled) for seq in self._running.values()
-        ]
-        plan = plan_step(running, self.limits)
+        schedule = self.scheduler.schedule()
+        for key in schedule.refused:  # could never run: beyond max_context or the pool
+            seq = self._sequences.pop(key)
+            del self._by_assignment[seq.assignment]
+            events.append(DecodeDone(seq.assignment, "failed"))
+        cached = 0
+        for key, found in schedule.admitted:
+            cached += found
+            self._prompt_tokens += self.scheduler.progress(key)[1]
+        preempted = len(schedule.preempted)
+        plan = schedule.plan
         if plan.decode:
-            self._decode([self._running[key] for key in plan.decode], events)
+            self._decode([self._sequences[key] for key in plan.decode], events)
         decoded = time.perf_counter()
-        chunks = [(self._running[k], count) for k, count in plan.prefill if k in self._running]
+        chunks = [(self._sequences[k], n) for k, n in plan.prefill if k in self._sequences]
         if chunks:
             self._prefill(chunks, events)
         ended = time.perf_counter()
@@ -349,91 +350,6 @@ class Engine:
         )
         return events
 
-    def _grow(self) -> int:
-        """Give each decoding sequence the block its next position needs, oldest first;
-        when the pool is out, preempt the most recently admitted. Returns how many
-        were preempted."""
-        preempted = 0
-        for key in list(self._running):
-            seq = self._running.get(key)
-            if seq is None or seq.prefilled < len(seq.context):
-                continue  # gone, or still prefilling (its context's blocks are held)
-            while not self.blocks.extend(key, seq.position + 1):
-                victim = next(reversed(self._running))
-                self._preempt(victim)
-                preempted += 1
-                if victim == key:
-                    break
-        return preempted
-
-    def _preempt(self, key: int) -> None:
-        """Send a running sequence back to the head of the queue, to be recomputed."""
-        seq = self._running.pop(key)
-        self.blocks.release(key)
-        seq.context = (*seq.request.prompt_token_ids, *seq.generation.output)
-        seq.prefilled, seq.chain = 0, None
-        self._waiting = {key: seq, **self._waiting}
-        self.preemptions += 1
-
-    def _admit(self, events: list[DecoderEvent]) -> int:
-        """FIFO while a row is free and the pool has blocks for the head's context, with
-        one block to spare for each running sequence's growth. A sequence that could
-        never run (beyond max_context, or beyond the whole pool) fails. Returns the
-        tokens found cached."""
-        block_size, total_blocks = self.blocks.block_size, self.blocks.num_blocks
-        cached = 0
-        blocked = False
-        coming = self._coming_blocks()
-        for key, seq in list(self._waiting.items()):
-            whole = seq.request.context_tokens
-            if whole > self.limits.max_context or blocks_for(whole, block_size) > total_blocks:
-                del self._waiting[key]
-                del self._by_assignment[seq.assignment]
-                events.append(DecodeDone(seq.assignment, "failed"))
-                continue
-            if blocked or len(self._running) >= self.limits.max_seqs:
-                continue  # nobody overtakes the head; later ones may still be refused
-            if coming and self._next_block(seq) in coming:
-                continue  # a running prefill is writing its next block: share it, soon
-            need = self.blocks.needed(seq.context, len(seq.context))
-            if need + len(self._running) > self.blocks.available:
-                blocked = True
-                continue
-            del self._waiting[key]
-            found = self.blocks.allocate(key, seq.context, len(seq.context))
-            seq.prefilled = found
-            if self.blocks.prefix_caching:
-                coming.update(self._chain(seq)[found // block_size :])
-            cached += found
-            self._prompt_tokens += len(seq.context)
-            self._running[key] = seq
-        return cached
-
-    def _coming_blocks(self) -> set[int]:
-        """Chain keys of the full blocks that running prefills will write and have not
-        committed yet. A waiting sequence whose next uncached block is among them
-        (n choices of one prompt, a burst of chats with one system prompt) waits
-        for them instead of computing the same positions again beside them."""
-        if not (self.blocks.prefix_caching and self._waiting):
-            return set()
-        size = self.blocks.block_size
-        coming: set[int] = set()
-        for seq in self._running.values():
-            if seq.prefilled < len(seq.context):
-                coming.update(self._chain(seq)[seq.prefilled // size :])
-        return coming
-
-    def _chain(self, seq: _Sequence) -> list[int]:
-        if seq.chain is None:
-            seq.chain = chain_hashes(seq.context, self.blocks.block_size)
-        return seq.chain
-
-    def _next_block(self, seq: _Sequence) -> int | None:
-        """The chain key of the first full block of seq's context not in the cache."""
-        found = self.blocks.cached_prefix(seq.context) // self.blocks.block_size
-        chain = self._chain(seq)
-        return chain[found] if len(chain) > found else None
-
     def _decode(self, seqs: list[_Sequence], events: list[DecoderEvent]) -> None:
         device = self.device
         where = [seq.position for seq in seqs]
@@ -448,28 +364,30 @@ class Engine:
             logits = self.runner.decode(pages, positions, torch.tensor(last, device=device))
         for seq, position in zip(seqs, where, strict=True):
             if (position + 1) % self.blocks.block_size == 0:  # it filled a block
-                self.blocks.commit(seq.key, seq.written(position + 1))
+                self.blocks.commit(seq.key, self.scheduler.tokens(seq.key)[: position + 1])
         self._choose(seqs, logits, masks, events)
 
     def _prefill(self, chunks: list[tuple[_Sequence, int]], events: list[DecoderEvent]) -> None:
         """Every prefill chunk of the step in one forward pass; the sequences whose
         context it completes draw their first token (logits of their last row only)."""
+        scheduler = self.scheduler
         packed, rows, done = [], [], []
         first = 0
         for seq, count in chunks:
-            tokens = seq.context[seq.prefilled : seq.prefilled + count]
+            prefilled, context = scheduler.progress(seq.key)
+            tokens = scheduler.tokens(seq.key)[prefilled : prefilled + count]
             table = self.blocks.table(seq.key)
-            packed.append(Chunk(table, seq.prefilled, torch.tensor(tokens, device=self.device)))
+            packed.append(Chunk(table, prefilled, torch.tensor(tokens, device=self.device)))
             first += count
-            if seq.prefilled + count == len(seq.context):
+            if prefilled + count == context:
                 rows.append(first - 1)
                 done.append(seq)
         masks = self._masks(done)
         logits = self.runner.prefill_packed(packed, rows)
         for seq, count in chunks:
-            seq.prefilled += count
+            scheduler.prefilled(seq.key, count)
             self._computed_tokens += count
-            self.blocks.commit(seq.key, seq.context[: seq.prefilled])
+            self.blocks.commit(seq.key, scheduler.tokens(seq.key)[: scheduler.progress(seq.key)[0]])
         if done:
             self._choose(done, logits, masks, events)
 
@@ -508,6 +426,8 @@ class Engine:
         record: TokenLogprob | None = None,
     ) -> None:
         ended = seq.generation.emit(token, events, record)
+        if not ended:
+            self.scheduler.emitted(seq.key, token)
         if not ended and seq.matcher is not None and not seq.matcher.consume_token(token):
             # The mask allowed it, so only a broken grammar state gets here: this request fails.
             events.append(DecodeDone(seq.assignment, "failed"))

@@ -33,6 +33,7 @@ from msgspec import Struct
 from msgspec.structs import replace
 
 from adapters.runtime.loop import Serial, Timers
+from core.config import RouterConfig
 from core.protocol import (
     ArmTimer,
     ClientCancel,
@@ -54,7 +55,7 @@ from core.protocol import (
     ToWorker,
     WorkerGone,
 )
-from core.router import Router, RouterConfig, RouterStatistics
+from core.router import Router, RouterStatistics
 
 log = logging.getLogger("fencepost.controller")
 
