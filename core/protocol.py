@@ -198,6 +198,11 @@ class Token(WireMessage, frozen=True, omit_defaults=True):
     index: Count
     token_id: TokenId
     logprob: TokenLogprob | None = None  # when the request asks for logprobs
+    # On an attempt's first token only: as OfferResult.seq, the worker's last heartbeat
+    # sequence number when it took the assignment. The token may be the router's first
+    # news of the acceptance (its OfferResult late or lost), and a heartbeat up to that
+    # number, overtaken on the way, says nothing by leaving the assignment out.
+    taken_after: Count | None = None
 
 
 class TokenRun(WireMessage, frozen=True, omit_defaults=True):
@@ -211,6 +216,7 @@ class TokenRun(WireMessage, frozen=True, omit_defaults=True):
     start_index: Count
     token_ids: tuple[TokenId, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
+    taken_after: Count | None = None  # as Token's: on a run from the attempt's first token
 
     def __post_init__(self) -> None:
         if self.logprobs and len(self.logprobs) != len(self.token_ids):

@@ -94,11 +94,15 @@ class Requests(Placer):
     # --- worker output ---
 
     def on_token(self, worker_id: str, token: Token, out: list[RouterEffect]) -> None:
+        if token.taken_after is not None:  # its first token: maybe the first news of it
+            self.fleet.taken_after(worker_id, token.assignment, token.taken_after)
         req = self._fence(worker_id, token.assignment)
         if req is not None and self._is_next(req, token.index, token.index + 1, out):
             self._deliver(req, token.token_id, token.logprob, out)
 
     def on_token_run(self, worker_id: str, run: TokenRun, out: list[RouterEffect]) -> None:
+        if run.taken_after is not None:  # from the attempt's first token: as on_token
+            self.fleet.taken_after(worker_id, run.assignment, run.taken_after)
         req = self._fence(worker_id, run.assignment)
         end = run.start_index + len(run.token_ids)
         if req is None or not self._is_next(req, run.start_index, end, out):

@@ -148,6 +148,7 @@ class _Active:
     # (a continuation's prefix came with the offer, without its records).
     records: list[TokenLogprob] | None = None
     first: int = 0
+    taken_after: int = 0  # the link's heartbeat seq when it was taken (OfferResult.seq)
 
     def run_from(self, assignment: Assignment, from_index: int) -> TokenRun | None:
         """The tokens from `from_index` on (with their records), or None if none."""
@@ -155,7 +156,8 @@ class _Active:
         if start >= len(self.tokens):
             return None
         records = () if self.records is None else tuple(self.records[start - self.first :])
-        return TokenRun(assignment, start, tuple(self.tokens[start:]), records)
+        after = self.taken_after if start == self.first else None
+        return TokenRun(assignment, start, tuple(self.tokens[start:]), records, after)
 
 
 class Worker:
@@ -319,7 +321,9 @@ class Worker:
                 active.records.append(logprob)
             active.tokens.append(token_id)
             self._tokens_sent += 1
-            out.append(SendToRouter(Token(assignment, index, token_id, logprob), assignment.router))
+            after = active.taken_after if index == active.first else None
+            token = Token(assignment, index, token_id, logprob, after)
+            out.append(SendToRouter(token, assignment.router))
 
     def _on_resend(self, assignment: Assignment, from_index: int, out: list[WorkerEffect]) -> None:
         active = self._active.get(assignment)
@@ -377,7 +381,7 @@ class Worker:
         prefix = list(request.output_prefix)
         records: list[TokenLogprob] | None = None if request.logprobs is None else []
         self._active[offer.assignment] = _Active(
-            request.max_new_tokens, prefix, records, len(prefix)
+            request.max_new_tokens, prefix, records, len(prefix), link.seq
         )
         self._accepted += 1
         out.append(StartDecode(offer.assignment, offer.request))

@@ -83,6 +83,21 @@ REGRESSION_SEEDS = [
         "resume matched attempt 2 and, by chance, attempt 156, and the stream oracle then "
         "looked for the next attempt only past 156, calling attempt 3's token foreign",
     ),
+    (
+        4292,
+        STANDARD,
+        "the router heard of an acceptance first from the attempt's first token (the "
+        "OfferResult was late), a heartbeat sent before the worker took it arrived after, "
+        "and its silence released the cancelled attempt's slot while the worker still "
+        "held it (found by the release-backing oracle of issue 34); the first token "
+        "now says after which heartbeat the assignment was taken, as the OfferResult does",
+    ),
+    (
+        7605,
+        STANDARD,
+        "as 4292, with the attempt's first token lost and a Resend's TokenRun the first "
+        "news of it: a run from the attempt's first token says it too",
+    ),
 ]
 
 

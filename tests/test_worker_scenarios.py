@@ -89,7 +89,8 @@ def test_only_the_next_index_of_an_active_assignment_goes_out() -> None:
     worker = make()
     offer(worker, "a")
     a1 = Assignment("a", 1)
-    assert sent(worker.handle(Decoded(a1, 0, 10), 0)) == [Token(a1, 0, 10)]
+    # The attempt's first token says after which heartbeat it was taken (none yet: 0).
+    assert sent(worker.handle(Decoded(a1, 0, 10), 0)) == [Token(a1, 0, 10, taken_after=0)]
     assert sent(worker.handle(Decoded(a1, 0, 10), 0)) == []
     assert sent(worker.handle(Decoded(a1, 1, 11), 0)) == [Token(a1, 1, 11)]
     assert worker.statistics().fenced == {"duplicate": 1}
@@ -172,7 +173,7 @@ def test_drain_declines_new_offers_and_lets_active_ones_finish() -> None:
     assert hb == Heartbeat("w1", 3, 1, 0, 0, 64, (Assignment("a", 1),))
     assert answer(offer(worker, "b")).reason == "no_slot"
     a1 = Assignment("a", 1)
-    assert sent(worker.handle(Decoded(a1, 0, 9), 1.1)) == [Token(a1, 0, 9)]
+    assert sent(worker.handle(Decoded(a1, 0, 9), 1.1)) == [Token(a1, 0, 9, taken_after=0)]
     assert sent(worker.handle(DecodeDone(a1, "length"), 1.1)) == [Finished(a1, "length", 1)]
     assert list(worker.holds()) == []
 
@@ -222,7 +223,7 @@ def test_resend_repeats_the_tokens_and_the_finish_as_one_run() -> None:
     worker.handle(DecodeDone(a1, "eos"), 0)
     assert sent(worker.handle(FromRouterMessage(Resend(a1, 3)), 0)) == [Finished(a1, "eos", 3)]
     assert sent(worker.handle(FromRouterMessage(Resend(a1, 0)), 0)) == [
-        TokenRun(a1, 0, (10, 11, 12)),
+        TokenRun(a1, 0, (10, 11, 12), taken_after=0),  # from its first token: says when taken
         Finished(a1, "eos", 3),
     ]
     assert worker.free_slots == 2
@@ -236,7 +237,7 @@ def test_a_continuation_starts_at_the_index_after_its_prefix() -> None:
     assert StartDecode(Assignment("a", 2), request) in effects
     a2 = Assignment("a", 2)
     assert sent(worker.handle(Decoded(a2, 0, 10), 0)) == []  # the prefix is not sent again
-    assert sent(worker.handle(Decoded(a2, 3, 13), 0)) == [Token(a2, 3, 13)]
+    assert sent(worker.handle(Decoded(a2, 3, 13), 0)) == [Token(a2, 3, 13, taken_after=0)]
     assert sent(worker.handle(DecodeDone(a2, "eos"), 0)) == [Finished(a2, "eos", 4)]
 
 
@@ -248,14 +249,14 @@ def test_logprob_records_go_with_their_tokens_and_a_resend_repeats_them() -> Non
     records = [TokenLogprob(-0.5 * i, ((5, -0.1),)) for i in range(3)]
     for index, (token, record) in enumerate(zip((12, 13, 14), records, strict=True)):
         assert sent(worker.handle(Decoded(a2, 2 + index, token, record), 0)) == [
-            Token(a2, 2 + index, token, record)
+            Token(a2, 2 + index, token, record, 0 if index == 0 else None)
         ]
     # The prefix's records are the router's business: a run starts after the prefix.
     assert sent(worker.handle(FromRouterMessage(Resend(a2, 3)), 0)) == [
         TokenRun(a2, 3, (13, 14), tuple(records[1:]))
     ]
     assert sent(worker.handle(FromRouterMessage(Resend(a2, 0)), 0)) == [
-        TokenRun(a2, 2, (12, 13, 14), tuple(records))
+        TokenRun(a2, 2, (12, 13, 14), tuple(records), 0)
     ]
     worker.handle(DecodeDone(a2, "eos"), 0)
     assert sent(worker.handle(FromRouterMessage(Resend(a2, 4)), 0)) == [
@@ -358,7 +359,7 @@ def test_losing_a_link_ends_that_routers_work_only_and_quietly() -> None:
     assert offer_from(worker, "ra", "q3", epoch=5) == []
     assert worker.statistics().fenced["unlinked"] == 1
     token = worker.handle(Decoded(Assignment("q1", 1, "rb"), 0, 42), 0.0)
-    assert routed(token) == [("rb", Token(Assignment("q1", 1, "rb"), 0, 42))]
+    assert routed(token) == [("rb", Token(Assignment("q1", 1, "rb"), 0, 42, taken_after=1))]
     assert worker.handle(Decoded(Assignment("q1", 1, "ra"), 0, 42), 0.0) == []
 
 

@@ -126,8 +126,8 @@ MUTANTS = (
     Mutant(
         "worker keeps a continuation's records as if from index 0",
         "core/worker.py",
-        "            request.max_new_tokens, prefix, records, len(prefix)\n",
-        "            request.max_new_tokens, prefix, records, 0\n",
+        "            request.max_new_tokens, prefix, records, len(prefix), link.seq\n",
+        "            request.max_new_tokens, prefix, records, 0, link.seq\n",
     ),
     Mutant(
         "worker keeps decoding after a cancel",
