@@ -32,6 +32,16 @@ UNREACHABLE: dict[tuple[str, str, str], str] = {
     # newer epoch meets it healthy; rolling restarts do that, seed 226 of the sweep.)
     ("worker health", "stuck", "new_epoch"): _RETIRED,
     ("worker health", "silent", "new_epoch"): _RETIRED,
+    ("slot hold", "missing", "listed"): (
+        "a worker lists an assignment in every heartbeat from its take to its end and never "
+        "after, and a heartbeat sent before the take is not read as leaving it out (the "
+        "OfferResult, the attempt's first Token or a TokenRun from it say after which "
+        "heartbeat it was taken), so a hold gone missing is never listed again; the sweeps "
+        "took it only through that gap, closed by regression seeds 4292 and 7605 (none in "
+        "seeds 0-2999 since). The move stays for a worker that lists again what it left "
+        "out, a bug the mutant 'draining worker leaves the streams it hands off out of its "
+        "heartbeats' plants"
+    ),
     ("sequence", "waiting", "refused"): (
         "a worker declines an offer longer than its max_context before its decoder sees "
         "it, and every simulated pool holds the largest request, so no sequence that can "

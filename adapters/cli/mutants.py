@@ -113,9 +113,9 @@ MUTANTS = (
     Mutant(
         "worker resends from the wrong index",
         "core/worker.py",
-        "        return TokenRun(assignment, start, tuple(self.tokens[start:]), records)\n",
-        "        return TokenRun(assignment, start, tuple(self.tokens[start + 1 :]), records[1:])"
-        "\n",
+        "        return TokenRun(assignment, start, tuple(self.tokens[start:]), records, after)\n",
+        "        return TokenRun(assignment, start, tuple(self.tokens[start + 1 :]), records[1:], "
+        "after)\n",
     ),
     Mutant(
         "router delivers a resent run's logprob records one off",
