@@ -122,7 +122,6 @@ class Decode:
     started_at: float
     run: FakeDecode
     key: int  # its name in the scheduler and its plans
-    context: int  # prompt plus output prefix: what its first prefill computes
 
 
 @dataclass(slots=True)
@@ -907,7 +906,7 @@ class Cluster:
                 key = self._decode_keys
                 self._keys[key] = assignment
                 context = request.prompt_token_ids + request.output_prefix
-                decode = Decode(request, self.clock.now, run, key, len(context))
+                decode = Decode(request, self.clock.now, run, key)
                 self.decodes[worker_id][assignment] = decode
                 self.schedulers[worker_id].add(key, context, request.context_tokens)
             case StopDecode(assignment):
