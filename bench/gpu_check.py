@@ -88,6 +88,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a plai
 
 import torch
 
+from adapters.bench.measure import hf_generate_rate, memory_bandwidth_gbs, sync
 from adapters.engine.engine import DECODE_PATHS, Engine
 from adapters.engine.model import LoadedModel
 from adapters.engine.paged_attention import ATTENTIONS
@@ -173,11 +174,6 @@ def section(name: str, failures: list[str]) -> Iterator[None]:
         traceback.print_exc(file=sys.stdout)
         failures.append(name)
     print(f"  ({time.perf_counter() - began:.1f} s)", flush=True)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 # --- models ---
@@ -479,24 +475,11 @@ def check_decode_paths(
 
 
 def hf_rate(model: Any, prompt: tuple[int, ...], tokens: int, cap_s: float, **kw: Any) -> float:
-    """HF generate tokens/s at batch 1 (after one untimed call with the same settings,
-    which is where a static cache compiles); max_time bounds the timed call."""
-    device = next(model.parameters()).device
-    inputs = torch.tensor([prompt], device=device)
-    settings = {"do_sample": False, "attention_mask": torch.ones_like(inputs), **kw}
-    with torch.inference_mode():
-        began = time.perf_counter()
-        model.generate(inputs, max_new_tokens=tokens, min_new_tokens=tokens, **settings)
-        sync(device)
-        print(f"    (first call, warm-up{' and compile' if kw else ''}: ", end="")
-        print(f"{time.perf_counter() - began:.1f} s)")
-        began = time.perf_counter()
-        out = model.generate(
-            inputs, max_new_tokens=tokens, min_new_tokens=tokens, max_time=cap_s, **settings
-        )
-        sync(device)
-        elapsed = time.perf_counter() - began
-    return float(out.shape[1] - len(prompt)) / elapsed
+    """HF generate tokens/s at batch 1 (adapters/bench/measure.py), with the warm-up's
+    time printed: that first call is where a static cache compiles."""
+    rate, warm_s = hf_generate_rate(model, prompt, tokens, cap_s=cap_s, **kw)
+    print(f"    (first call, warm-up{' and compile' if kw else ''}: {warm_s:.1f} s)")
+    return rate
 
 
 def generate_batch_rate(
@@ -546,19 +529,6 @@ def weight_bytes(model: Any) -> int:
             seen.add(id(param))
             total += param.numel() * param.element_size()
     return total
-
-
-def bandwidth_gbs(device: torch.device) -> float:
-    source = torch.ones(256 << 20, dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
-    best = float("inf")
-    for _ in range(5):
-        sync(device)
-        began = time.perf_counter()
-        target.copy_(source)
-        sync(device)
-        best = min(best, time.perf_counter() - began)
-    return 2 * source.numel() / best / 1e9
 
 
 # --- the run ---
@@ -801,7 +771,7 @@ def speed(
                 model, engine = build_run(key, device, most, tokens, seed)
                 plist = prompts(most)
                 run = ShapeRun(key, model, engine, plist, tokens, budget, results)
-                bound = bandwidth_gbs(device) * 1e9 / weight_bytes(model)
+                bound = memory_bandwidth_gbs(device) * 1e9 / weight_bytes(model)
                 run.table["batch-1 bandwidth bound"] = f"{bound:,.0f}"
         if run is None:
             return

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from adapters.bench import measure
 from adapters.engine.engine import DEFAULT_KV_CACHE_TOKENS, Engine, logprob_records
 from adapters.engine.grammar import json_schema_grammar
 from adapters.engine.model import LoadedModel, chat_token_ids, load_model
@@ -88,14 +89,10 @@ def transformers_model(loaded: LoadedModel) -> Any:
 
 
 def hf_generate_rate(loaded: LoadedModel, prompt: tuple[int, ...], tokens: int) -> float:
-    model = transformers_model(loaded)
-    inputs = torch.tensor([prompt], device=model.device)
-    with torch.inference_mode():
-        model.generate(inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm up
-        began = time.perf_counter()
-        out = model.generate(inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
-        elapsed = time.perf_counter() - began
-    return float(out.shape[1] - len(prompt)) / elapsed
+    """transformers' generate on the same weights in fp32, batch 1 (after a short
+    warm-up): the baseline the engine's figures are ratios to."""
+    rate, _ = measure.hf_generate_rate(transformers_model(loaded), prompt, tokens, warm_tokens=4)
+    return rate
 
 
 def engine_run(
@@ -309,20 +306,6 @@ def logprobs_overhead(
     )
 
 
-def memory_bandwidth_gbs(device: Any) -> float:
-    """Read+write bandwidth of a 256 MiB tensor copy, best of five."""
-    source = torch.ones(64 << 20, dtype=torch.float32, device=device)
-    target = torch.empty_like(source)
-    best = float("inf")
-    for _ in range(5):
-        began = time.perf_counter()
-        target.copy_(source)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - began)
-    return 2 * source.numel() * 4 / best / 1e9
-
-
 def main(
     model_path: str | None,
     tokens: int,
@@ -389,7 +372,7 @@ def main(
         )
     single = next((rate for n, rate in rows if n == 1), None)
     weight_bytes = engine.runner.weight_bytes()
-    bandwidth = memory_bandwidth_gbs(device)
+    bandwidth = measure.memory_bandwidth_gbs(torch.device(loaded.device or "cpu"))
     bound = bandwidth * 1e9 / weight_bytes
     print(f"  weights read per decode step: {weight_bytes / 1e6:.0f} MB")
     print(f"  memory copy bandwidth: {bandwidth:.1f} GB/s (read + write)")
