@@ -181,6 +181,8 @@ class Scheduler:
                 continue  # preempted just now, or prefilling (its context's blocks are held)
             positions = len(entry.tokens)  # the last token's position is written next
             had = len(pool.table(key))
+            if blocks_for(positions, pool.block_size) <= had:
+                continue  # within its last block: nothing to grow
             while not pool.extend(key, positions):
                 victim = next(reversed(self._running))
                 self._preempt(victim)

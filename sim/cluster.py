@@ -218,6 +218,10 @@ class Cluster:
         self._decode_keys = 0
         self._keys: dict[int, Assignment] = {}
         self.violations: list[str] = []
+        # What ran since the last check_safety: only a machine that handled an event
+        # can have changed what the per-event checks read of it.
+        self._touched_workers: dict[str, None] = {}  # in order: the same first violation
+        self._touched_routers: dict[str, None] = {}
         self.router_names = [chr(ord("a") + i) for i in range(routers)]
         for name in self.router_names:
             self.start_router(name)
@@ -345,6 +349,7 @@ class Cluster:
         self._owner_rank.setdefault(worker_id, len(self._owner_rank))
         self.decodes[worker_id] = {}
         self.down.discard(worker_id)
+        self._touched_routers.update(dict.fromkeys(self.nodes))  # its slot count is judged anew
         self._run_worker(worker_id, WorkerStart())
         for router_id, epoch in epochs.items():
             self._run_worker(worker_id, RouterLinked(router_id, epoch))
@@ -681,7 +686,9 @@ class Cluster:
 
     def settled(self) -> bool:
         """Every request has its outcome and every slot is back, as all machines see it."""
-        if self.unfinished() or any(self.decodes.values()):
+        if any(self.decodes.values()) or any(
+            s.outcome is None for node in self.nodes.values() for s in node.streams.values()
+        ):
             return False
         if any(w.free_slots != w.config.slots for w in self.workers.values()):
             return False
@@ -783,7 +790,9 @@ class Cluster:
 
     def check_safety(self) -> None:
         """Raise InvariantViolation if any client saw something the contract forbids, or
-        an oracle of sim/oracles.py found a fault it cannot explain."""
+        an oracle of sim/oracles.py found a fault it cannot explain. The per-machine
+        checks read only the workers and routers that handled an event since the last
+        call: nothing else changes what they read."""
         if self.violations:
             raise InvariantViolation(self.violations[0])
         if self.streams_oracle.violations:
@@ -793,9 +802,11 @@ class Cluster:
                 raise InvariantViolation(node.oracles.violations[0])
         if self.worker_oracles.violations:
             raise InvariantViolation(self.worker_oracles.violations[0])
-        for worker_id, worker in self.workers.items():
+        touched, self._touched_workers = self._touched_workers, {}
+        for worker_id in touched:
             if worker_id in self.down:
                 continue
+            worker = self.workers[worker_id]
             holds = worker.holds()
             if len(holds) > worker.config.slots:
                 raise InvariantViolation(f"{worker_id} over-committed its slots")
@@ -808,13 +819,15 @@ class Cluster:
             if decodes and not decodes.keys() <= holds:
                 # Cancelled or ended work must stop at once, not burn a slot's compute.
                 raise InvariantViolation(f"{worker_id} decodes assignments it no longer holds")
-        for node in self.nodes.values():
-            for worker_id, held, _ in node.router.slot_usage():
+        routers, self._touched_routers = self._touched_routers, {}
+        for router_id in routers:
+            router = self.nodes.get(router_id)
+            if router is None:
+                continue  # crashed since
+            for worker_id, held, _ in router.router.slot_usage():
                 # Against the worker's own slot count: a draining worker reports none free.
                 if held > self.workers[worker_id].config.slots:
-                    raise InvariantViolation(
-                        f"router {node.router_id!r} over-committed {worker_id}"
-                    )
+                    raise InvariantViolation(f"router {router_id!r} over-committed {worker_id}")
 
     def check_end(self, fault_kinds: set[str]) -> None:
         """The checks of a finished run: fence counters the faults cannot explain, and
@@ -830,6 +843,8 @@ class Cluster:
                     f"{worker_id}: the run settled with {kv.manager.holders()} sequences "
                     f"holding blocks, scheduler waiting {self.schedulers[worker_id].waiting}"
                 )
+        self._touched_workers.update(dict.fromkeys(self.workers))
+        self._touched_routers.update(dict.fromkeys(self.nodes))
         self.check_safety()
 
     def unfinished(self) -> list[str]:
@@ -855,6 +870,7 @@ class Cluster:
 
     def _run_router(self, node: RouterNode, event: RouterEvent) -> list[RouterEffect]:
         before = node.oracles.before_router(event)
+        self._touched_routers[node.router_id] = None
         effects = node.router.handle(event, self.clock.now)
         if self.trace is not None:
             who = f"router{node.router_id}"
@@ -885,6 +901,7 @@ class Cluster:
     def _run_worker(self, worker_id: str, event: WorkerEvent) -> None:
         if worker_id in self.down:
             return
+        self._touched_workers[worker_id] = None
         if isinstance(event, TimerFired | WorkerStart):  # a heartbeat may go out
             self.workers[worker_id].cache = self.kv[worker_id].report()
         effects = self.workers[worker_id].handle(event, self.clock.now)

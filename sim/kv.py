@@ -17,7 +17,9 @@ block's end differs (it would attend over someone else's prefix).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
+from itertools import chain
 
 from core.blocks import BlockError, BlockManager, blocks_for
 from core.protocol import CacheReport
@@ -100,9 +102,10 @@ class KvModel:
         grown = self.manager.extend(key, positions)
         table = self.manager.table(key)
         known = self._tables[key]
-        for block in table[len(known) :]:
-            self._fresh(key, block)
-        self._tables[key] = list(table)
+        if len(table) != len(known):  # new blocks at the end (check() sees any other change)
+            for block in table[len(known) :]:
+                self._fresh(key, block)
+            self._tables[key] = list(table)
         return grown
 
     def _fresh(self, key: int, block: int) -> None:
@@ -123,12 +126,11 @@ class KvModel:
         """Block accounting balances: every block is free, cached or held, each held
         one as often as the tables hold it, and each table as the manager has it."""
         manager = self.manager
-        held: dict[int, int] = {}
-        for key, table in self._tables.items():
+        tables = self._tables
+        for key, table in tables.items():
             if manager.table(key) != table:
                 self._violation(f"{self._name}: sequence {key}'s table changed behind its back")
-            for block in table:
-                held[block] = held.get(block, 0) + 1
+        held = Counter(chain.from_iterable(tables.values()))
         free, cached = manager.free_blocks(), manager.cached_blocks()
         if len(held) + free + cached != self.num_blocks or manager.holders() != len(self._tables):
             self._violation(

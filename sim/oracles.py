@@ -43,6 +43,14 @@ behaviour under faults. The oracles here close that gap.
 - Resend is answered: a Resend for an assignment a worker is running gets
   the tokens it asks for, and one for an assignment it completed among its
   last `retained_outputs` gets the Finished again.
+- Recovery by Resend is prompt, not merely eventual. Every gap the router
+  fences (an attempt's token past the next index) is answered in the same
+  step by a Resend from the next index, unless the request had one less than
+  `resend_interval_s` ago; and the tokens a worker resends reach the client
+  within one network delay (plus the checks' cadence) of the worker's answer,
+  unless that worker was disturbed meanwhile (the run lost, late, cut) or
+  the attempt ended. Between the two, a token the router has found missing
+  arrives within the interval, the next sign of the attempt and two delays.
 - Fence counters that only a bug can move stay zero: each fence reason is
   listed with the fault kinds (or events) that can cause it; at the end of
   a run a reason counted without any of them is a violation.
@@ -212,6 +220,16 @@ class Disturbances:
         return self._quiet_after.get(worker_id, -math.inf)
 
 
+@dataclass(frozen=True, slots=True)
+class Recovered:
+    """A TokenRun a worker sent in answer to a Resend: up to `end`, at `sent_at`."""
+
+    worker_id: str
+    assignment: Assignment
+    end: int
+    sent_at: float
+
+
 @dataclass(slots=True)
 class _Attempt:
     assignment: Assignment
@@ -266,6 +284,10 @@ class Oracles:
         # Workers that declined an offer for want of a slot since their last heartbeat:
         # the holds the router may count there until news of a free slot.
         self._full: dict[str, int] = {}
+        self._gaps_before = 0  # the router's gap fences before the event in hand
+        self._resend_at: dict[str, float] = {}  # request -> its last Resend's time
+        self._recovering: dict[Assignment, Recovered] = {}  # resent runs not yet delivered
+        self._recovered_seen = 0  # how far this router has read WorkerOracles.recovered
 
     def _violation(self, text: str) -> None:
         self.violations.append(text)
@@ -278,9 +300,12 @@ class Oracles:
     # --- router side ---
 
     def before_router(self, event: RouterEvent) -> tuple[int, int, bool] | None:
-        if isinstance(event, FromWorkerMessage) and isinstance(event.message, Heartbeat):
-            self._holds_before = self._holds(event.worker_id)
-            return self.router.worker_clock(event.worker_id)
+        if isinstance(event, FromWorkerMessage):
+            if isinstance(event.message, Heartbeat):
+                self._holds_before = self._holds(event.worker_id)
+                return self.router.worker_clock(event.worker_id)
+            if isinstance(event.message, Token | TokenRun):
+                self._gaps_before = self.router.fence_counts().get("gap", 0)
         return None
 
     def after_router(
@@ -305,9 +330,14 @@ class Oracles:
                         attempt.progress_at, attempt.streaming = now, True
                 case DeliverFinished(request_id) | DeliverError(request_id):
                     self._on_outcome(request_id, effect, now)
+                    self._resend_at.pop(request_id, None)
+                case SendToWorker(_, Resend(assignment)):
+                    self._resend_at[assignment.request_id] = now
         if isinstance(event, FromWorkerMessage):
             self._check_delivered_from_active(event, effects)
             self._check_answered(event, effects, before)
+            if isinstance(message, Token | TokenRun):
+                self._check_gap_asked(message.assignment, effects, now)
             if isinstance(event.message, Heartbeat):
                 self._note_report(event.worker_id, event.message, before, now)
                 self._after_heartbeat(event.worker_id, event.message, before, now)
@@ -325,7 +355,7 @@ class Oracles:
             for worker_id in stuck - self._stuck:
                 self._check_stuck(worker_id, event, now)
             self._stuck = frozenset(stuck)
-        self._check_views()
+        self._check_views(event.worker_id if isinstance(event, FromWorkerMessage) else None)
         if self._handing_off:
             self._check_handoffs(effects, now)
         mark = self.router.attempts_lost()
@@ -708,8 +738,10 @@ class Oracles:
                     "the router does not want, and got no Cancel"
                 )
 
-    def _check_views(self) -> None:
-        for worker_id in self.cluster.workers:
+    def _check_views(self, only: str | None) -> None:
+        """The router's (epoch, heartbeat sequence) of a worker never goes back: after a
+        worker's message, that worker's; after any other event, every worker's."""
+        for worker_id in self.cluster.workers if only is None else (only,):
             clock = self.router.worker_clock(worker_id)
             if clock is None:
                 continue
@@ -720,6 +752,70 @@ class Oracles:
                     f"to {clock[:2]}"
                 )
             self._views[worker_id] = clock[:2]
+
+    def _check_gap_asked(
+        self, assignment: Assignment, effects: list[RouterEffect], now: float
+    ) -> None:
+        """A gap the router just fenced is asked again at once, from the next index,
+        unless the request's last Resend is younger than the rate limit. (The effects
+        loop has already noted this step's Resends, so `last` may be now.)"""
+        if self.router.fence_counts().get("gap", 0) == self._gaps_before:
+            return
+        rid = assignment.request_id
+        stream = self.streams.get(rid)
+        delivered = len(stream.tokens) if stream is not None else 0
+        asked = [
+            e.message
+            for e in effects
+            if isinstance(e, SendToWorker)
+            and isinstance(e.message, Resend)
+            and e.message.assignment.request_id == rid
+        ]
+        wrong = [r for r in asked if r.assignment != assignment or r.from_index != delivered]
+        if wrong:
+            self._violation(f"{rid}: a gap at {delivered} of {assignment} asked as {wrong}")
+            return
+        last = self._resend_at.get(rid)
+        if not asked and (last is None or now - last >= self.config.resend_interval_s):
+            ago = "never" if last is None else f"{now - last:.3f}s ago"
+            self._violation(
+                f"{rid}: router fenced a gap at {delivered} of {assignment} and asked for "
+                f"nothing (last Resend {ago}; rate limit {self.config.resend_interval_s}s)"
+            )
+
+    def _check_recovered(self, now: float) -> None:
+        """Tokens a worker resent reach the client within a network delay of its
+        answer (and the cadence of this check), unless that worker was disturbed
+        meanwhile, or the attempt or the request ended."""
+        runs = self.cluster.worker_oracles.recovered
+        for run in runs[self._recovered_seen :]:
+            if run.assignment.router == self.router_id:
+                self._recovering[run.assignment] = run  # a later answer reaches further
+        self._recovered_seen = len(runs)
+        if not self._recovering:
+            return
+        disturbances = self.disturbances
+        bound = (disturbances.delay_max_s if disturbances is not None else 0.0) + 0.06
+        for assignment, run in list(self._recovering.items()):
+            rid = assignment.request_id
+            stream = self.streams.get(rid)
+            if (
+                stream is None
+                or stream.outcome is not None
+                or len(stream.tokens) >= min(run.end, stream.request.max_new_tokens)
+                or self.router.placement(rid) != (run.worker_id, assignment)
+            ):
+                del self._recovering[assignment]
+                continue
+            if now - run.sent_at <= bound:
+                continue
+            del self._recovering[assignment]
+            if disturbances is None or not disturbances.explains(run.worker_id, run.sent_at, now):
+                self._violation(
+                    f"{rid}: {run.worker_id} resent {assignment} up to {run.end} at "
+                    f"{run.sent_at:.4f}; the client has {len(stream.tokens)} tokens "
+                    f"{now - run.sent_at:.3f}s later (bound {bound:.3f}s)"
+                )
 
     # --- time ---
 
@@ -748,6 +844,7 @@ class Oracles:
                 )
         if self._missing:
             self._check_missing(now)
+        self._check_recovered(now)
 
     def _check_missing(self, now: float) -> None:
         """A confirmed hold missing from the worker's heartbeats is given up (released,
@@ -814,6 +911,9 @@ class WorkerOracles:
         self._took: dict[tuple[str, int, Assignment], int] = {}
         self._ended: dict[tuple[str, int, Assignment], int] = {}
         self._beats: dict[tuple[str, str, int, int], tuple[int, int]] = {}
+        # Every TokenRun a worker sent in answer to a Resend, in order: each router's
+        # Oracles read their own from here to time the run's delivery.
+        self.recovered: list[Recovered] = []
 
     def _violation(self, text: str) -> None:
         self.violations.append(text)
@@ -889,6 +989,10 @@ class WorkerOracles:
             and e.message.assignment == assignment
         ]
         sent = self._sent.get((worker_id, process, assignment))
+        for answer in answers:
+            if isinstance(answer, TokenRun):
+                end = answer.start_index + len(answer.token_ids)
+                self.recovered.append(Recovered(worker_id, assignment, end, self.cluster.now))
         if assignment in self.cluster.workers[worker_id].holds():
             if sent is not None and resend.from_index < sent:
                 runs = [a for a in answers if isinstance(a, TokenRun)]

@@ -10,16 +10,22 @@ through their own query methods; no oracle calls a handler.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from core.protocol import Assignment, Heartbeat
 from core.router import Router
 from core.worker import Worker
 from sim.streams import ClientStream
 
+if TYPE_CHECKING:
+    from sim.oracles import Recovered
+
 
 class WorkerSideView(Protocol):
+    @property
+    def recovered(self) -> Sequence[Recovered]: ...
+
     def ended_before(
         self, worker_id: str, router_id: str, beat: Heartbeat, assignment: Assignment
     ) -> bool | None: ...
@@ -34,6 +40,9 @@ class ClusterView(Protocol):
 
     @property
     def heartbeat_interval_s(self) -> float: ...
+
+    @property
+    def now(self) -> float: ...
 
     @property
     def worker_oracles(self) -> WorkerSideView: ...

@@ -5,16 +5,22 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import pytest
+
+from core.ledger import Ledger
 from core.protocol import (
     Assignment,
     Finished,
     GenerationRequest,
     Heartbeat,
+    Resend,
     SendToRouter,
     StartDecode,
+    Token,
+    TokenRun,
     WorkerStart,
 )
-from sim.cluster import Cluster
+from sim.cluster import Cluster, Packet
 from sim.oracles import FENCE_CAUSES, Disturbances
 from sim.simulator import FAULT_KINDS
 
@@ -78,3 +84,79 @@ def test_a_release_for_absence_needs_a_heartbeat_sent_after_the_worker_ended_it(
     assert seen.ended_before("w0", "", beat(11), assignment) is False  # while it ran
     assert seen.ended_before("w0", "", beat(12), assignment) is True
     assert seen.ended_before("w0", "", beat(13), assignment) is None  # no worker sent it
+
+
+def _streaming(cluster: Cluster, tokens: int) -> list[Packet]:
+    """One request on w0, accepted, with `tokens` decoded: their Token packets,
+    taken off the wire (everything else delivered)."""
+    while cluster.in_flight:  # the worker's first heartbeat: the router knows it
+        cluster.deliver(0)
+    cluster.submit(GenerationRequest("r0", (5, 6, 7), 8))
+    taken: list[Packet] = []
+    for _ in range(200):
+        if cluster.in_flight:
+            packet = cluster.in_flight.pop(0)
+            if isinstance(packet.message, Token):
+                taken.append(packet)
+            else:
+                cluster.deliver_packet(packet)
+        elif len(taken) < tokens and cluster.running_decodes():
+            cluster.decode_step(*cluster.running_decodes()[0])
+        else:
+            break
+    assert len(taken) == tokens
+    return taken
+
+
+def _oracles_with_a_lazy_router(monkeypatch: pytest.MonkeyPatch, lazy: bool) -> Cluster:
+    if lazy:  # the bug: a gap is fenced and never asked again
+        monkeypatch.setattr(Ledger, "_ask_resend", lambda self, req, out: None)
+    return Cluster(["w0"], disturbances=Disturbances(grace_s=1.0))
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_fenced_gap_is_asked_again_at_once(monkeypatch: pytest.MonkeyPatch, lazy: bool) -> None:
+    cluster = _oracles_with_a_lazy_router(monkeypatch, lazy)
+    first, second = _streaming(cluster, 2)
+    cluster.deliver_packet(second)  # token 1 past the lost token 0: a gap
+    resends = [p.message for p in cluster.in_flight if isinstance(p.message, Resend)]
+    if lazy:
+        assert resends == []
+        assert "asked for nothing (last Resend never" in cluster.oracles.violations[0]
+    else:
+        assert resends == [Resend(first.message.assignment, 0)]
+        assert cluster.oracles.violations == []
+
+
+def test_a_gap_within_the_rate_limit_needs_no_second_resend() -> None:
+    cluster = Cluster(["w0"], disturbances=Disturbances(grace_s=1.0))
+    _, second, third = _streaming(cluster, 3)
+    cluster.deliver_packet(second)
+    cluster.advance(cluster.now + cluster.router.config.resend_interval_s / 2)
+    cluster.deliver_packet(third)  # the same gap, inside the interval: nothing asked
+    resends = [p for p in cluster.in_flight if isinstance(p.message, Resend)]
+    assert len(resends) == 1
+    assert cluster.oracles.violations == []
+
+
+@pytest.mark.parametrize("explained", [False, True])
+def test_a_resent_run_reaches_the_client_within_a_network_delay(explained: bool) -> None:
+    disturbances = Disturbances(grace_s=0.5)
+    disturbances.delay_max_s = 0.01
+    cluster = Cluster(["w0"], disturbances=disturbances)
+    _, second = _streaming(cluster, 2)
+    cluster.deliver_packet(second)
+    [resend] = [p for p in cluster.in_flight if isinstance(p.message, Resend)]
+    cluster.in_flight.remove(resend)
+    cluster.deliver_packet(resend)  # the worker answers with tokens 0 and 1 ...
+    [run] = [p for p in cluster.in_flight if isinstance(p.message, TokenRun)]
+    cluster.in_flight.remove(run)  # ... which never reach the router
+    if explained:
+        disturbances.add("w0", "loss", cluster.now, cluster.now)
+    cluster.advance(cluster.now + 0.2)
+    cluster.oracles.check_progress(cluster.now, slack_s=1.0)
+    if explained:
+        assert cluster.oracles.violations == []
+    else:
+        assert "w0 resent" in cluster.oracles.violations[0]
+        assert "the client has 0 tokens" in cluster.oracles.violations[0]

@@ -428,6 +428,18 @@ MUTANTS = (
         "        if finished.completion_tokens == req.delivered:\n",
         "        if finished.completion_tokens == req.delivered:\n",
     ),
+    Mutant(
+        "router rate-limits Resend by the offer timeout",
+        "core/ledger.py",
+        "        if last is not None and self.now - last < self.config.resend_interval_s:\n",
+        "        if last is not None and self.now - last < self.config.offer_timeout_s:\n",
+    ),
+    Mutant(
+        "router delivers only the first token of a resent run",
+        "core/requests.py",
+        "        for index in range(req.delivered, budget_end):\n",
+        "        for index in range(req.delivered, min(budget_end, req.delivered + 1)):\n",
+    ),
 )
 
 
