@@ -71,6 +71,8 @@ def test_serve_with_a_remote_worker_then_sigterm_drains_and_exits_0(tmp_path: Pa
         assert events[-2]["usage"]["completion_tokens"] == 400
         with pytest.raises(requests.ConnectionError):
             requests.get(f"{base}/health", timeout=5)
+        time.sleep(0.2)  # the log reader takes the last lines
+        assert not [line for line in log.lines if "Traceback" in line], "".join(log.lines)
     finally:
         kill_all((serve, worker))
 

@@ -18,6 +18,11 @@ Every request is greedy (temperature 0) so every system does the same work.
 (`fencepost cluster`, say) instead of starting one: the same clients and rows,
 the model the server lists first, no engine comparison and no baselines.
 
+--peer-llama-server BIN adds llama.cpp's own C++ server (`scripts/build-llama-server`
+builds one) on the same GGUF file and load, once per --peer-threads count, so that
+each server can be compared at its best thread count in one run; --peer-llama-cpp
+PYTHON adds llama-cpp-python's server the same way.
+
 --plot FILE.png draws the rows, peers' beside fencepost's, once the run is over
 (adapters/bench/plot.py).
 """
@@ -67,6 +72,9 @@ class ServeLoad:
     baselines: bool
     threads: int | None
     peer_llama_cpp: str | None = None  # a Python with llama-cpp-python[server] installed
+    peer_llama_server: str | None = None  # llama.cpp's own C++ server binary
+    peer_threads: tuple[int, ...] = ()  # its thread counts, one set of rows each (): ours
+    weights: str = "auto"  # the server's and the engine-only run's weight format
     url: str | None = None  # drive the server there instead of starting one
     plot: Path | None = None  # a PNG of the rows (adapters/bench/plot.py), written at the end
 
@@ -177,7 +185,7 @@ def engine_only(load: ServeLoad) -> tuple[float, int | None]:
     from core.protocol import Assignment, Decoded, DecodeDone, GenerationRequest, Sampling
 
     loaded = load_model(load.model_path, quiet=True)
-    engine, threads = serving_engine(loaded, load.top, 2048, "auto", load.threads)
+    engine, threads = serving_engine(loaded, load.top, 2048, load.weights, load.threads)
     if threads is not None:  # the server's engine thread sets them on itself
         torch.set_num_threads(threads)
     chat = ChatModel("bench", loaded.tokenizer, 2048)  # the server's own chat tokenizing
@@ -209,6 +217,7 @@ def main(load: ServeLoad) -> int:
     logs = log_folder("bench")
     print(f"fencepost bench serve: {load.tokens} tokens per request, {load.rounds} request(s)"
           f" per client, greedy; {os.cpu_count()} CPUs; torch threads {load.threads or 'default'};"
+          f" weights {load.weights};"
           f" logs in {logs}", flush=True)  # fmt: skip
     if load.url is not None:
         served = measure_running(load, load.url)
@@ -220,6 +229,9 @@ def main(load: ServeLoad) -> int:
     base_rows = run_baselines(load, logs) if load.baselines and not load.fake else []
     if load.peer_llama_cpp and not load.fake:
         base_rows += llama_cpp_rows(load, logs, threads)
+    if load.peer_llama_server and not load.fake:
+        for count in load.peer_threads or (load.threads or threads or _spare_threads(),):
+            base_rows += llama_server_rows(load, logs, count)
     report(load, served, base_rows, engine_rate)
     plot(load, [*served.rows, *base_rows])
     return 0
@@ -270,6 +282,7 @@ def measure_fencepost(load: ServeLoad, logs: Path) -> Served:
     command += ["--fake", "--fake-step-ms", "10"] if load.fake else []
     command += ["--model", load.model_path] if load.model_path else []
     command += ["--threads", str(load.threads)] if load.threads else []
+    command += ["--weights", load.weights]
     server = Server("fencepost", command, port, logs / "fencepost.log")
     served = Served()
     try:
@@ -330,15 +343,12 @@ def llama_cpp_rows(load: ServeLoad, logs: Path, threads: int | None) -> list[Lev
     """llama-cpp-python's OpenAI server, started as its docs say, on the GGUF file fencepost
     serves (the default model's Q4_1), the same load at every level. It streams one
     token per chunk and no usage, so its tokens are its content chunks."""
-    from adapters.engine.model import default_gguf_path
-
-    gguf = Path(load.model_path) if load.model_path else default_gguf_path()
-    if gguf.suffix != ".gguf":
-        print("  llama-cpp-python: needs a .gguf model")
+    gguf = _served_gguf(load, "llama-cpp-python")
+    if gguf is None:
         return []
     port = free_port()
     # as many threads as fencepost's engine had (given, or its default for the format it chose)
-    threads = load.threads or threads or max(1, (os.cpu_count() or 2) - 1)
+    threads = load.threads or threads or _spare_threads()
     command = [load.peer_llama_cpp or sys.executable, "-m", "llama_cpp.server",
                "--model", str(gguf), "--model_alias", "bench", "--host", "127.0.0.1",
                "--port", str(port), "--n_ctx", "2048", "--n_threads", str(threads),
@@ -347,6 +357,40 @@ def llama_cpp_rows(load: ServeLoad, logs: Path, threads: int | None) -> list[Lev
     server = Server("llama-cpp-python", command, port, logs / "llama-cpp-python.log")
     label = f"llama-cpp-python ({threads} thr)"
     return peer_rows(server, label, list(load.concurrency), load, "bench", "/v1/models")
+
+
+def _spare_threads() -> int:
+    return max(1, (os.cpu_count() or 2) - 1)
+
+
+def _served_gguf(load: ServeLoad, peer: str) -> Path | None:
+    """The GGUF file fencepost serves, which a llama.cpp peer must serve too."""
+    from adapters.engine.model import default_gguf_path
+
+    gguf = Path(load.model_path) if load.model_path else default_gguf_path()
+    if gguf.suffix != ".gguf":
+        print(f"  {peer}: needs a .gguf model")
+        return None
+    return gguf
+
+
+def llama_server_rows(load: ServeLoad, logs: Path, threads: int) -> list[Level]:
+    """llama.cpp's C++ `llama-server` on the same GGUF file, the same load at every
+    level: continuous batching over as many parallel slots as the most clients, each
+    slot with the 2048-token context fencepost's requests get, `threads` threads for
+    generation and for prompts alike."""
+    gguf = _served_gguf(load, "llama-server")
+    if gguf is None:
+        return []
+    binary = load.peer_llama_server or "llama-server"
+    port, slots = free_port(), load.top
+    command = [binary, "--model", str(gguf), "--alias", "bench", "--host", "127.0.0.1",
+               "--port", str(port), "--parallel", str(slots), "--ctx-size", str(2048 * slots),
+               "--threads", str(threads), "--threads-batch", str(threads),
+               "--cont-batching"]  # fmt: skip
+    server = Server("llama-server", command, port, logs / f"llama-server-{threads}t.log")
+    label = f"llama-server ({threads} thr)"
+    return peer_rows(server, label, list(load.concurrency), load, "bench", "/health")
 
 
 def naive_rows(load: ServeLoad, logs: Path) -> list[Level]:
@@ -400,11 +444,11 @@ def report(
         if peer.concurrency in clean:
             ratio = clean[peer.concurrency].rate / peer.rate if peer.rate else float("inf")
             print(f"  fencepost / transformers serve at {peer.concurrency}: {ratio:.2f}x")
-    for peer in (r for r in base_rows if r.label.startswith("llama-cpp")):
+    for peer in (r for r in base_rows if r.label.startswith("llama-")):
         if peer.concurrency in clean:
             mine = clean[peer.concurrency]
             ratio = mine.rate / peer.rate if peer.rate else float("inf")
-            print(f"  fencepost / llama-cpp-python at {peer.concurrency}: {ratio:.2f}x tokens/s, "
+            print(f"  fencepost / {peer.label} at {peer.concurrency}: {ratio:.2f}x tokens/s, "
                   f"ITL p50 {mine.itl(50) * 1e3:.0f} vs {peer.itl(50) * 1e3:.0f} ms, "
                   f"TTFT p50 {mine.ttft(50):.2f} vs {peer.ttft(50):.2f} s")  # fmt: skip
     if 8 in clean:

@@ -84,6 +84,7 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixed", action="store_true", help="add slow and hang-up clients")
     parser.add_argument("--baselines", action="store_true", help="naive and HF servers too")
     parser.add_argument("--threads", type=positive, default=None)
+    add_weights_argument(parser)  # a random-weight model needs one named: no perplexity
     parser.add_argument(
         "--peer-llama-cpp",
         metavar="PYTHON",
@@ -91,6 +92,15 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
         help="also run llama-cpp-python's server with this Python (one with "
         "llama-cpp-python[server] installed) on the same GGUF and load",
     )
+    parser.add_argument(
+        "--peer-llama-server", metavar="BIN", default=None,
+        help="also run llama.cpp's C++ llama-server (this binary; scripts/build-llama-server "
+        "builds one) on the same GGUF and load",
+    )  # fmt: skip
+    parser.add_argument(
+        "--peer-threads", metavar="N,N", default=None, type=counts,
+        help="llama-server's thread counts, one set of rows each (default: the engine's)",
+    )  # fmt: skip
     parser.add_argument(
         "--url", default=None, metavar="http://127.0.0.1:PORT",
         help="drive a server already running here (e.g. fencepost cluster) instead of "
@@ -120,6 +130,9 @@ def _serve(args: argparse.Namespace) -> int:
         baselines=args.baselines,
         threads=args.threads,
         peer_llama_cpp=args.peer_llama_cpp,
+        peer_llama_server=args.peer_llama_server,
+        peer_threads=tuple(args.peer_threads or ()),
+        weights=args.weights,
         url=args.url,
         plot=args.plot,
     )

@@ -189,7 +189,7 @@ class FencepostApp:
         app.add_url_rule("/dashboard", view_func=self.dashboard_page, methods=["GET"])
         app.add_url_rule("/dashboard.json", view_func=self.dashboard_data, methods=["GET"])
         app.before_serving(self._start_sampling)
-        app.after_serving(self._sampling.cancel)
+        app.after_serving(self._stop_sampling)
         app.register_error_handler(HTTPException, self.http_error)
         app.register_error_handler(Exception, self.internal_error)
         return app
@@ -257,6 +257,11 @@ class FencepostApp:
                 await self.dashboard.run()
 
         self.quart.nursery.start_soon(sample)
+
+    async def _stop_sampling(self) -> None:
+        # A coroutine, so that Quart calls it in the event loop: a plain function it
+        # would run on a worker thread, where cancelling a trio scope raises.
+        self._sampling.cancel()
 
     # --- chat completions and legacy completions ---
 
