@@ -36,7 +36,7 @@ a new router when it comes up.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, ItemsView, Mapping
+from collections.abc import Callable, ItemsView, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import cast
@@ -686,9 +686,7 @@ class Cluster:
 
     def settled(self) -> bool:
         """Every request has its outcome and every slot is back, as all machines see it."""
-        if any(self.decodes.values()) or any(
-            s.outcome is None for node in self.nodes.values() for s in node.streams.values()
-        ):
+        if any(self.decodes.values()) or next(self._open_streams(), None) is not None:
             return False
         if any(w.free_slots != w.config.slots for w in self.workers.values()):
             return False
@@ -849,12 +847,14 @@ class Cluster:
 
     def unfinished(self) -> list[str]:
         """Requests of live routers still without an outcome (router id: request id)."""
-        return [
-            f"{node.router_id}:{rid}" if node.router_id else rid
-            for node in self.nodes.values()
-            for rid, s in node.streams.items()
-            if s.outcome is None
-        ]
+        return [f"{router}:{rid}" if router else rid for router, rid in self._open_streams()]
+
+    def _open_streams(self) -> Iterator[tuple[str, str]]:
+        """(router id, request id) of each live router's request without an outcome."""
+        for node in self.nodes.values():
+            for rid, stream in node.streams.items():
+                if stream.outcome is None:
+                    yield node.router_id, rid
 
     # --- effect execution ---
 

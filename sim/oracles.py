@@ -989,18 +989,17 @@ class WorkerOracles:
             and e.message.assignment == assignment
         ]
         sent = self._sent.get((worker_id, process, assignment))
-        for answer in answers:
-            if isinstance(answer, TokenRun):
-                end = answer.start_index + len(answer.token_ids)
-                self.recovered.append(Recovered(worker_id, assignment, end, self.cluster.now))
+        runs = [a for a in answers if isinstance(a, TokenRun)]
+        for run in runs:
+            end = run.start_index + len(run.token_ids)
+            self.recovered.append(Recovered(worker_id, assignment, end, self.cluster.now))
         if assignment in self.cluster.workers[worker_id].holds():
-            if sent is not None and resend.from_index < sent:
-                runs = [a for a in answers if isinstance(a, TokenRun)]
-                if not runs or runs[0].start_index != resend.from_index:
-                    self._violation(
-                        f"{worker_id} asked to resend {assignment} from {resend.from_index} "
-                        f"of {sent} sent, answered {answers}"
-                    )
+            asked = resend.from_index
+            if sent is not None and asked < sent and (not runs or runs[0].start_index != asked):
+                self._violation(
+                    f"{worker_id} asked to resend {assignment} from {asked} "
+                    f"of {sent} sent, answered {answers}"
+                )
         elif assignment in self._completed.get((worker_id, process), ()) and not any(
             isinstance(a, Finished) for a in answers
         ):

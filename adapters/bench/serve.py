@@ -230,7 +230,7 @@ def main(load: ServeLoad) -> int:
     if load.peer_llama_cpp and not load.fake:
         base_rows += llama_cpp_rows(load, logs, threads)
     if load.peer_llama_server and not load.fake:
-        for count in load.peer_threads or (load.threads or threads or _spare_threads(),):
+        for count in load.peer_threads or (_engine_threads(load, threads),):
             base_rows += llama_server_rows(load, logs, count)
     report(load, served, base_rows, engine_rate)
     plot(load, [*served.rows, *base_rows])
@@ -347,8 +347,7 @@ def llama_cpp_rows(load: ServeLoad, logs: Path, threads: int | None) -> list[Lev
     if gguf is None:
         return []
     port = free_port()
-    # as many threads as fencepost's engine had (given, or its default for the format it chose)
-    threads = load.threads or threads or _spare_threads()
+    threads = _engine_threads(load, threads)
     command = [load.peer_llama_cpp or sys.executable, "-m", "llama_cpp.server",
                "--model", str(gguf), "--model_alias", "bench", "--host", "127.0.0.1",
                "--port", str(port), "--n_ctx", "2048", "--n_threads", str(threads),
@@ -359,8 +358,10 @@ def llama_cpp_rows(load: ServeLoad, logs: Path, threads: int | None) -> list[Lev
     return peer_rows(server, label, list(load.concurrency), load, "bench", "/v1/models")
 
 
-def _spare_threads() -> int:
-    return max(1, (os.cpu_count() or 2) - 1)
+def _engine_threads(load: ServeLoad, threads: int | None) -> int:
+    """As many threads as fencepost's engine had: given, or its default for the format it
+    chose, or all cores but one. A peer that is not told otherwise gets as many."""
+    return load.threads or threads or max(1, (os.cpu_count() or 2) - 1)
 
 
 def _served_gguf(load: ServeLoad, peer: str) -> Path | None:
