@@ -46,7 +46,7 @@ engine = Engine(loaded, BatchLimits(max_seqs=4, max_context=512), weights=fmt,
 runner = engine.runner
 figures["engine"] = rss()["VmRSS"]
 figures["peak"] = rss()["VmHWM"]
-figures["weights"] = runner.weight_bytes() + runner.embed.numel() * runner.embed.element_size()
+figures["weights"] = runner.weight_bytes() + runner.embed_bytes()
 figures["kv"] = runner.k_cache.numel() * runner.k_cache.element_size() * 2
 figures["format"] = runner.format
 figures["family"] = loaded.family

@@ -185,6 +185,28 @@ class GgufCheckpoint:
         shape = tuple(int(n) for n in reversed(tensor.shape))
         return tensor.tensor_type.name, tensor.data, shape
 
+    def blocks(self, name: str) -> tuple[str, Any, tuple[int, int]]:
+        """A matrix's blocks as shipped, its rows in Hugging Face order (llama's q and k
+        put back, as `tensor` puts back their float rows): (GGML type name, the rows of
+        blocks (a view of the file), (rows, cols))."""
+        type_name, data, shape = self.quantized(name)
+        if len(shape) != 2:
+            raise CheckpointError(f"{self.source}: {name!r} is not a matrix")
+        config = self._config
+        if self.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
+            from adapters.engine.ggml_blocks import permute_rows
+
+            heads = int(config.num_attention_heads)
+            if ".k_proj." in name:
+                heads = int(getattr(config, "num_key_value_heads", None) or heads)
+            data = permute_rows(data, heads)
+        return type_name, data, (shape[0], shape[1])
+
+    def done_with(self, name: str) -> None:
+        """A tensor read through `blocks` is packed: its pages leave the resident set."""
+        tensor = self._tensors[self._require(name)]
+        self._drop_pages(int(tensor.data_offset), int(tensor.n_bytes))
+
     def _require(self, name: str) -> str:
         found = self._gguf_name(name)
         if found is None:

@@ -145,11 +145,12 @@ def _step_s(loaded: LoadedModel, fmt: str, rows: int, repeats: int, layers: int 
 
 def code_key(*parts: str) -> str:
     """A short hash of the code that makes the weight formats (the quantisers, the
-    native kernel's source) and of `parts`."""
-    from adapters.engine import native, weights
+    packing of GGUF blocks, the native kernel's source, the loader) and of `parts`."""
+    from adapters.engine import ggml_blocks, native, runner, weights
 
     digest = hashlib.sha256()
-    for path in (Path(weights.__file__), native.SOURCE):
+    code = (weights.__file__, native.__file__, ggml_blocks.__file__, runner.__file__)
+    for path in (*map(Path, code), native.SOURCE):
         digest.update(path.read_bytes())
     for part in parts:
         digest.update(part.encode())

@@ -189,6 +189,9 @@ class Engine:
         else:
             blocks = kv_cache_tokens // block_size
             self.runner = Runner(loaded, blocks, block_size, limits.max_context, weights)
+        if self.runner.weight_sources:  # the native format on a GGUF: what ran as shipped
+            sources = self.runner.weight_sources.most_common()
+            say("weights: " + ", ".join(f"{count} x {source}" for source, count in sources))
         self.limits = limits
         self.blocks = BlockManager(self.runner.num_blocks, block_size, prefix_caching)
         self.device = self.runner.device

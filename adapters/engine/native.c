@@ -1,11 +1,14 @@
 /* fencepost's native CPU kernels: integer matrix products and a whole decode step.
  *
- * Weights are 4-bit (groups of 32 inputs, a scale and a minimum per group: a Q4_1
- * block) or 8-bit (groups of 32, a scale per group: a Q8_0 block, for the output
- * projection). Each product first turns its fp32 activations into 16-bit integers
- * per group of 32 (one scale a group), held as two signed bytes (quantize() says
- * why), multiplies integers exactly (VNNI's vpdpbusd, or AVX2's vpmaddubsw +
- * vpmaddwd, once per byte), then scales each group's integer sum in fp32.
+ * A matrix is one of seven kinds (KIND_*), each holding a GGUF block type's numbers as
+ * they were shipped, or fencepost's own 4- and 8-bit groups (which are Q4_1 and Q8_0
+ * blocks): every kind computes W = q * scale + minimum per group of 32 inputs (16 for
+ * Q6_K), with the scales formed in fp32 exactly as gguf's dequantisation forms them.
+ * Each integer product first turns its fp32 activations into 16-bit integers per group
+ * of 32 (one scale a group), held as two signed bytes (quantize() says why), multiplies
+ * integers exactly (VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd, once per byte),
+ * then scales each group's integer sum in fp32. F16 and BF16 matrices multiply fp32
+ * activations by their exactly widened values, one input at a time.
  *
  * Layout: outputs are packed in tiles of TILE rows (16 with AVX-512, 8 with AVX2),
  * four inputs of each row side by side, so one vector register holds TILE rows x 4
@@ -15,12 +18,26 @@
  * instruction set. A row's result is therefore the same alone or in any batch,
  * and the same on AVX2 and AVX-512 machines.
  *
- * Per tile and group, 4-bit: four sub-blocks of TILE*4 bytes (sub-block b covers
- * inputs 8b..8b+7 of the group: byte 4*o + j holds input 8b+j of row o in its low
- * nibble and input 8b+4+j in its high nibble), then TILE fp16 scales, then TILE fp16
- * minimums: 20*TILE bytes for 32*TILE weights (5 bits a weight, as Q4_1).
- * 8-bit: eight sub-blocks of TILE*4 signed bytes (inputs 4b..4b+3), then TILE fp16
- * scales: 34*TILE bytes (as Q8_0).
+ * Per tile, for each group of 32 inputs (and for the K kinds, a header before each
+ * super-block of 8 groups: TILE fp16 d, then TILE fp16 dmin):
+ * - KIND_Q4 (Q4_0, Q4_1, fencepost's 4-bit): four sub-blocks of TILE*4 bytes (sub-block
+ *   b covers inputs 8b..8b+7: byte 4*o + j holds input 8b+j of row o in its low nibble
+ *   and input 8b+4+j in its high nibble), TILE fp16 scales, TILE fp16 minimums: 20*TILE
+ *   bytes for 32*TILE weights.
+ * - KIND_Q8 (Q8_0): eight sub-blocks of TILE*4 signed bytes (inputs 4b..4b+3), TILE
+ *   fp16 scales: 34*TILE bytes.
+ * - KIND_Q4K (Q4_K): the four nibble sub-blocks as KIND_Q4, then TILE 6-bit scales sc
+ *   and TILE 6-bit minimums m as bytes: W = (d * sc) * q - dmin * m. 4.625 bits a weight.
+ * - KIND_Q5K, KIND_Q6K (Q5_K, Q6_K): eight sub-blocks of TILE*4 unsigned bytes (q, as
+ *   KIND_Q8's order), then TILE scales for inputs 0..15, TILE for 16..31 (Q6_K's signed
+ *   per-16 scales; Q5_K's one scale twice), TILE minimums: 35*TILE bytes. Q5_K: W =
+ *   (d * sc) * q - dmin * m; Q6_K: W = (d * sc) * (q - 32). 8.875 bits a weight: the
+ *   bytes stay whole, so these read more than the file holds (6.56 and 5.5 bits).
+ * - KIND_F16, KIND_BF16: for each input of the group, TILE 16-bit values: 64*TILE bytes.
+ * A matrix may continue into another (`next`, of any kind, with the same inputs): one
+ * product computes both, the second's outputs after the first's (q, k and v of a layer
+ * are three GGUF tensors, each of its own type). `scale` multiplies a matrix's outputs
+ * (the attention scale on q, a family's residual or logit multiplier): 1 is none.
  *
  * Compiled by adapters/engine/native.py at first use for the instruction set the
  * CPU reports (FP_AVX512 or FP_AVX2), with -ffp-contract=off so that the compiler
@@ -53,25 +70,41 @@
  * KiB: less). A prefetch past the end of a matrix is harmless: it never faults. */
 #define PREFETCH 8192
 
-typedef struct {
-    int32_t out, in, groups, tiles, bits;
+enum { KIND_Q4, KIND_Q8, KIND_Q4K, KIND_Q5K, KIND_Q6K, KIND_F16, KIND_BF16 };
+
+typedef struct Mat {
+    int32_t out, in, groups, tiles, kind;
     const uint8_t *data;
+    float scale;            /* every output times this; 1: none */
+    const struct Mat *next; /* more output rows over the same inputs; NULL: none */
 } Mat;
+
+/* Bytes of one tile: per group, and per super-block header (the K kinds). */
+static size_t tile_bytes(const Mat *m) {
+    static const int per_group[] = {20, 34, 18, 35, 35, 64, 64};
+    int k = m->kind;
+    size_t bytes = (size_t)m->groups * per_group[k] * TILE;
+    if (k == KIND_Q4K || k == KIND_Q5K || k == KIND_Q6K) bytes += (size_t)(m->groups / 8) * 4 * TILE;
+    return bytes;
+}
 
 typedef struct { /* activations quantized per group of 32, in two 8-bit parts */
     int32_t rows, in, groups;
+    const float *x; /* [rows][in] the fp32 activations themselves (F16 and BF16) */
     int8_t *c;      /* [rows][in] high part: round(x / d), d = max |x| / 127 */
     int8_t *c2;     /* [rows][in] low part: round((x - c * d) * 128 / d), within +-64 */
     float *d;       /* [rows][groups] scale of the 16-bit value 128 * c + c2: d / 128 */
     float *dsum;    /* [rows][groups] that scale times the sum of the 16-bit values */
     int32_t *csum;  /* [rows][groups] sum of the 16-bit values */
+    int32_t *csum16; /* [rows][2 groups] the same over each half group (Q6_K) */
 } Act;
 
 typedef struct {
     int32_t hidden, heads, kv_heads, head_dim, inter, vocab, layers;
     int32_t block_size, slots, max_context;
     float eps;
-    const float *embed;      /* [vocab][hidden] */
+    const float *embed;      /* [vocab][hidden], or NULL: rows unpacked from embed_mat */
+    const Mat *embed_mat;    /* the table as a packed matrix (as shipped) */
     const float *final_norm; /* [hidden] */
     const Mat *head;
     /* Per layer: [layers] pointers, NULL where the layer has no such tensor (the
@@ -229,6 +262,7 @@ static void quantize(const float *x, int rows, int in, Act *a) {
     a->rows = rows;
     a->in = in;
     a->groups = groups;
+    a->x = x;
     for (int r = 0; r < rows; r++) {
         const float *xr = x + (size_t)r * in;
         int8_t *cr = a->c + (size_t)r * in, *lr = a->c2 + (size_t)r * in;
@@ -251,12 +285,15 @@ static void quantize(const float *x, int rows, int in, Act *a) {
                 hi[i] = (int32_t)h;
                 lo[i] = (int32_t)l;
             }
-            int32_t sum = 0;
+            int32_t sum = 0, half = 0;
             for (int i = 0; i < GROUP; i++) {
                 cr[g * GROUP + i] = (int8_t)hi[i];
                 lr[g * GROUP + i] = (int8_t)lo[i];
                 sum += 128 * hi[i] + lo[i];
+                if (i == 15) half = sum;
             }
+            a->csum16[(r * groups + g) * 2] = half;
+            a->csum16[(r * groups + g) * 2 + 1] = sum - half;
             float step = d / 128.0f;
             a->d[r * groups + g] = step;
             a->csum[r * groups + g] = sum;
@@ -279,6 +316,7 @@ typedef __m512i vi;
 #define VI_BCAST32(p) _mm512_set1_epi32(*(const int32_t *)(p))
 #define VI_SET1(v) _mm512_set1_epi32(v)
 #define VI_SUB(a, b) _mm512_sub_epi32(a, b)
+#define VI_ADD(a, b) _mm512_add_epi32(a, b)
 #define VI_JOIN(hi, lo) _mm512_add_epi32(_mm512_slli_epi32(hi, 7), lo) /* 128 * hi + lo */
 #define VF_SET1(v) _mm512_set1_ps(v)
 #define VF_CVT(a) _mm512_cvtepi32_ps(a)
@@ -315,6 +353,7 @@ typedef __m256i vi;
 #define VI_BCAST32(p) _mm256_set1_epi32(*(const int32_t *)(p))
 #define VI_SET1(v) _mm256_set1_epi32(v)
 #define VI_SUB(a, b) _mm256_sub_epi32(a, b)
+#define VI_ADD(a, b) _mm256_add_epi32(a, b)
 #define VI_JOIN(hi, lo) _mm256_add_epi32(_mm256_slli_epi32(hi, 7), lo)
 #define VF_SET1(v) _mm256_set1_ps(v)
 #define VF_CVT(a) _mm256_cvtepi32_ps(a)
@@ -345,31 +384,72 @@ static inline void vf_store(float *y, vf v, int n) {
 }
 #endif
 
-/* RB activation rows (from r0) against tiles t0..t1 of a 4-bit matrix. */
+/* TILE bytes of a row vector as fp32: unsigned, signed, or bfloat16 values. */
+#if defined(FP_AVX512)
+#define VF_U8(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define VF_S8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define VF_BF16(p)                                                                         \
+    _mm512_castsi512_ps(                                                                   \
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define VF_FNMA(a, b, c) _mm512_fnmadd_ps(a, b, c) /* c - a * b, one rounding */
+/* unsigned 8-bit weights (up to 63) x signed activation bytes, four a lane */
+#define DOT_U8(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
+#else
+#define VF_U8(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define VF_S8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define VF_BF16(p)                                                                         \
+    _mm256_castsi256_ps(                                                                   \
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define VF_FNMA(a, b, c) _mm256_fnmadd_ps(a, b, c)
+/* pairs at most 2 * 63 * 127 (within 16 bits), widened to 32 at once */
+#define DOT_U8(acc, w, x)                                                                  \
+    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)))
+#endif
+
+/* The RB rows' results for tile t, times the matrix's scale, into y (row stride
+ * `stride`, the matrix's outputs from column `col`). */
+static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, int stride, int col,
+                              int t) {
+    int n = m->out - t * TILE < TILE ? m->out - t * TILE : TILE;
+    for (int r = 0; r < rb; r++) {
+        vf v = m->scale != 1.0f ? VF_MUL(acc[r], VF_SET1(m->scale)) : acc[r];
+        vf_store(y + (size_t)(r0 + r) * stride + col + t * TILE, v, n);
+    }
+}
+
+/* Four nibble sub-blocks at p (advanced past them) against RB rows' activation bytes
+ * of group g: the high and low parts' integer sums. */
+#define NIBBLE_DOTS(RB)                                                                    \
+    for (int r = 0; r < RB; r++) high_sum[r] = low_sum[r] = VI_ZERO();                     \
+    for (int b = 0; b < 4; b++) {                                                          \
+        _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);                             \
+        vi packed = VI_LOAD(p);                                                            \
+        vi lo = VI_AND(packed, low), hi = VI_AND(VI_SHR4(packed), low);                    \
+        for (int r = 0; r < RB; r++) {                                                     \
+            size_t at = (size_t)(r0 + r) * in + g * GROUP + 8 * b;                         \
+            high_sum[r] = DOT_U4(high_sum[r], lo, VI_BCAST32(a->c + at));                  \
+            high_sum[r] = DOT_U4(high_sum[r], hi, VI_BCAST32(a->c + at + 4));              \
+            low_sum[r] = DOT_U4(low_sum[r], lo, VI_BCAST32(a->c2 + at));                   \
+            low_sum[r] = DOT_U4(low_sum[r], hi, VI_BCAST32(a->c2 + at + 4));               \
+        }                                                                                  \
+        p += 4 * TILE;                                                                     \
+    }
+
+#define ROWS_ARGS                                                                          \
+    const Mat *m, const Act *a, int r0, float *y, int stride, int col, int t0, int t1
+
+/* RB activation rows (from r0) against tiles t0..t1 of a KIND_Q4 matrix. */
 #define DEFINE_Q4(RB)                                                                      \
-    static void q4_rows_##RB(const Mat *m, const Act *a, int r0, float *y, int t0, int t1) { \
+    static void q4_rows_##RB(ROWS_ARGS) {                                                  \
         const vi low = VI_SET1B(0x0F);                                                     \
-        const int groups = m->groups, in = m->in, out = m->out;                           \
+        const int groups = m->groups, in = m->in;                                         \
         for (int t = t0; t < t1; t++) {                                                    \
-            const uint8_t *p = m->data + (size_t)t * groups * 20 * TILE;                   \
+            const uint8_t *p = m->data + (size_t)t * tile_bytes(m);                        \
             vf acc[RB];                                                                    \
             for (int r = 0; r < RB; r++) acc[r] = VF_ZERO();                               \
             for (int g = 0; g < groups; g++) {                                             \
                 vi high_sum[RB], low_sum[RB];                                              \
-                for (int r = 0; r < RB; r++) high_sum[r] = low_sum[r] = VI_ZERO();         \
-                for (int b = 0; b < 4; b++) {                                              \
-                    _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);                 \
-                    vi packed = VI_LOAD(p);                                                \
-                    vi lo = VI_AND(packed, low), hi = VI_AND(VI_SHR4(packed), low);        \
-                    for (int r = 0; r < RB; r++) {                                         \
-                        size_t at = (size_t)(r0 + r) * in + g * GROUP + 8 * b;             \
-                        high_sum[r] = DOT_U4(high_sum[r], lo, VI_BCAST32(a->c + at));      \
-                        high_sum[r] = DOT_U4(high_sum[r], hi, VI_BCAST32(a->c + at + 4));  \
-                        low_sum[r] = DOT_U4(low_sum[r], lo, VI_BCAST32(a->c2 + at));       \
-                        low_sum[r] = DOT_U4(low_sum[r], hi, VI_BCAST32(a->c2 + at + 4));   \
-                    }                                                                      \
-                    p += 4 * TILE;                                                         \
-                }                                                                          \
+                NIBBLE_DOTS(RB)                                                            \
                 vf scale = VF_HALF(p), minimum = VF_HALF(p + 2 * TILE);                    \
                 p += 4 * TILE;                                                             \
                 for (int r = 0; r < RB; r++) {                                             \
@@ -380,17 +460,48 @@ static inline void vf_store(float *y, vf v, int n) {
                     acc[r] = VF_FMA(minimum, VF_SET1(a->dsum[at]), acc[r]);                \
                 }                                                                          \
             }                                                                              \
-            int n = out - t * TILE < TILE ? out - t * TILE : TILE;                         \
-            for (int r = 0; r < RB; r++) vf_store(y + (size_t)(r0 + r) * out + t * TILE, acc[r], n); \
+            store_rows(m, acc, RB, y, r0, stride, col, t);                                 \
         }                                                                                  \
     }
 
-/* RB activation rows (from r0) against tiles t0..t1 of an 8-bit matrix. */
-#define DEFINE_Q8(RB)                                                                      \
-    static void q8_rows_##RB(const Mat *m, const Act *a, int r0, float *y, int t0, int t1) { \
-        const int groups = m->groups, in = m->in, out = m->out;                           \
+/* RB activation rows against tiles t0..t1 of a KIND_Q4K matrix: as KIND_Q4, with each
+ * group's scale d * sc and minimum dmin * m formed in fp32 (exact: 17-bit products). */
+#define DEFINE_Q4K(RB)                                                                     \
+    static void q4k_rows_##RB(ROWS_ARGS) {                                                 \
+        const vi low = VI_SET1B(0x0F);                                                     \
+        const int groups = m->groups, in = m->in;                                         \
         for (int t = t0; t < t1; t++) {                                                    \
-            const uint8_t *p = m->data + (size_t)t * groups * 34 * TILE;                   \
+            const uint8_t *p = m->data + (size_t)t * tile_bytes(m);                        \
+            vf acc[RB], d = VF_ZERO(), dmin = VF_ZERO();                                   \
+            for (int r = 0; r < RB; r++) acc[r] = VF_ZERO();                               \
+            for (int g = 0; g < groups; g++) {                                             \
+                if (g % 8 == 0) {                                                          \
+                    d = VF_HALF(p);                                                        \
+                    dmin = VF_HALF(p + 2 * TILE);                                          \
+                    p += 4 * TILE;                                                         \
+                }                                                                          \
+                vi high_sum[RB], low_sum[RB];                                              \
+                NIBBLE_DOTS(RB)                                                            \
+                vf scale = VF_MUL(d, VF_U8(p)), minimum = VF_MUL(dmin, VF_U8(p + TILE));   \
+                p += 2 * TILE;                                                             \
+                for (int r = 0; r < RB; r++) {                                             \
+                    int at = (r0 + r) * groups + g;                                        \
+                    vf s = VF_MUL(scale, VF_SET1(a->d[at]));                               \
+                    vi sum = VI_JOIN(U4_TO_32(high_sum[r]), U4_TO_32(low_sum[r]));         \
+                    acc[r] = VF_FMA(VF_CVT(sum), s, acc[r]);                               \
+                    acc[r] = VF_FNMA(minimum, VF_SET1(a->dsum[at]), acc[r]);               \
+                }                                                                          \
+            }                                                                              \
+            store_rows(m, acc, RB, y, r0, stride, col, t);                                 \
+        }                                                                                  \
+    }
+
+/* RB activation rows (from r0) against tiles t0..t1 of a KIND_Q8 matrix. */
+#define DEFINE_Q8(RB)                                                                      \
+    static void q8_rows_##RB(ROWS_ARGS) {                                                  \
+        const int groups = m->groups, in = m->in;                                         \
+        for (int t = t0; t < t1; t++) {                                                    \
+            const uint8_t *p = m->data + (size_t)t * tile_bytes(m);                        \
             vf acc[RB];                                                                    \
             for (int r = 0; r < RB; r++) acc[r] = VF_ZERO();                               \
             for (int g = 0; g < groups; g++) {                                             \
@@ -415,53 +526,130 @@ static inline void vf_store(float *y, vf v, int n) {
                     acc[r] = VF_FMA(VF_CVT(sum), VF_MUL(scale, VF_SET1(a->d[at])), acc[r]); \
                 }                                                                          \
             }                                                                              \
-            int n = out - t * TILE < TILE ? out - t * TILE : TILE;                         \
-            for (int r = 0; r < RB; r++) vf_store(y + (size_t)(r0 + r) * out + t * TILE, acc[r], n); \
+            store_rows(m, acc, RB, y, r0, stride, col, t);                                 \
         }                                                                                  \
     }
 
-/* Rows per pass: as many as the vector registers hold (three accumulators a row). */
-DEFINE_Q4(1)
-DEFINE_Q4(2)
-DEFINE_Q4(3)
-DEFINE_Q8(1)
-DEFINE_Q8(2)
-DEFINE_Q8(3)
+/* RB activation rows against tiles t0..t1 of a KIND_Q5K or KIND_Q6K matrix: unsigned
+ * byte weights, half a group (16 inputs) at a time. Q6_K: each half's integer sum less
+ * 32 times its activations' sum (q - 32, exactly), times d * sc of that half; Q5_K:
+ * the whole group's sum times d * sc, less dmin * m times the activations' sum. */
+#define DEFINE_K8(RB)                                                                      \
+    static void k8_rows_##RB(ROWS_ARGS) {                                                  \
+        const int groups = m->groups, in = m->in, six = m->kind == KIND_Q6K;              \
+        for (int t = t0; t < t1; t++) {                                                    \
+            const uint8_t *p = m->data + (size_t)t * tile_bytes(m);                        \
+            vf acc[RB], d = VF_ZERO(), dmin = VF_ZERO();                                   \
+            for (int r = 0; r < RB; r++) acc[r] = VF_ZERO();                               \
+            for (int g = 0; g < groups; g++) {                                             \
+                if (g % 8 == 0) {                                                          \
+                    d = VF_HALF(p);                                                        \
+                    dmin = VF_HALF(p + 2 * TILE);                                          \
+                    p += 4 * TILE;                                                         \
+                }                                                                          \
+                const uint8_t *scales = p + 32 * TILE;                                     \
+                vi whole[RB];                                                              \
+                for (int half = 0; half < 2; half++) {                                     \
+                    vi high_sum[RB], low_sum[RB];                                          \
+                    for (int r = 0; r < RB; r++) high_sum[r] = low_sum[r] = VI_ZERO();     \
+                    for (int b = 0; b < 4; b++) {                                          \
+                        _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);             \
+                        vi w = VI_LOAD(p);                                                 \
+                        for (int r = 0; r < RB; r++) {                                     \
+                            size_t at = (size_t)(r0 + r) * in + g * GROUP + 16 * half + 4 * b; \
+                            high_sum[r] = DOT_U8(high_sum[r], w, VI_BCAST32(a->c + at));   \
+                            low_sum[r] = DOT_U8(low_sum[r], w, VI_BCAST32(a->c2 + at));    \
+                        }                                                                  \
+                        p += 4 * TILE;                                                     \
+                    }                                                                      \
+                    if (six) {                                                             \
+                        vf scale = VF_MUL(d, VF_S8(scales + half * TILE));                 \
+                        for (int r = 0; r < RB; r++) {                                     \
+                            int at = (r0 + r) * groups + g;                                \
+                            vi sum = VI_SUB(VI_JOIN(high_sum[r], low_sum[r]),              \
+                                            VI_SET1(32 * a->csum16[2 * at + half]));       \
+                            vf s = VF_MUL(scale, VF_SET1(a->d[at]));                       \
+                            acc[r] = VF_FMA(VF_CVT(sum), s, acc[r]);                       \
+                        }                                                                  \
+                    } else {                                                               \
+                        for (int r = 0; r < RB; r++) {                                     \
+                            vi sum = VI_JOIN(high_sum[r], low_sum[r]);                     \
+                            whole[r] = half ? VI_ADD(whole[r], sum) : sum;                 \
+                        }                                                                  \
+                    }                                                                      \
+                }                                                                          \
+                if (!six) {                                                                \
+                    vf scale = VF_MUL(d, VF_U8(scales)), minimum = VF_MUL(dmin, VF_U8(scales + 2 * TILE)); \
+                    for (int r = 0; r < RB; r++) {                                         \
+                        int at = (r0 + r) * groups + g;                                    \
+                        vf s = VF_MUL(scale, VF_SET1(a->d[at]));                           \
+                        acc[r] = VF_FMA(VF_CVT(whole[r]), s, acc[r]);                      \
+                        acc[r] = VF_FNMA(minimum, VF_SET1(a->dsum[at]), acc[r]);           \
+                    }                                                                      \
+                }                                                                          \
+                p += 3 * TILE;                                                             \
+            }                                                                              \
+            store_rows(m, acc, RB, y, r0, stride, col, t);                                 \
+        }                                                                                  \
+    }
+
+/* RB activation rows against tiles t0..t1 of a KIND_F16 or KIND_BF16 matrix: the fp32
+ * activations times each input's TILE widened weights, input after input. */
+#define DEFINE_F16(RB)                                                                     \
+    static void f16_rows_##RB(ROWS_ARGS) {                                                 \
+        const int in = m->in, brain = m->kind == KIND_BF16;                               \
+        for (int t = t0; t < t1; t++) {                                                    \
+            const uint8_t *p = m->data + (size_t)t * tile_bytes(m);                        \
+            vf acc[RB];                                                                    \
+            for (int r = 0; r < RB; r++) acc[r] = VF_ZERO();                               \
+            for (int i = 0; i < in; i++) {                                                 \
+                _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);                     \
+                vf w = brain ? VF_BF16(p) : VF_HALF(p);                                    \
+                for (int r = 0; r < RB; r++)                                               \
+                    acc[r] = VF_FMA(w, VF_SET1(a->x[(size_t)(r0 + r) * in + i]), acc[r]);  \
+                p += 2 * TILE;                                                             \
+            }                                                                              \
+            store_rows(m, acc, RB, y, r0, stride, col, t);                                 \
+        }                                                                                  \
+    }
+
+#define DEFINE_ALL(RB) DEFINE_Q4(RB) DEFINE_Q8(RB) DEFINE_Q4K(RB) DEFINE_K8(RB) DEFINE_F16(RB)
+#define KERNELS(RB) {q4_rows_##RB, q8_rows_##RB, q4k_rows_##RB, k8_rows_##RB, k8_rows_##RB, \
+                     f16_rows_##RB, f16_rows_##RB}
+
+/* Rows per pass: as many as the vector registers hold. */
+DEFINE_ALL(1)
+DEFINE_ALL(2)
+DEFINE_ALL(3)
 #if defined(FP_AVX512)
-DEFINE_Q4(6)
-DEFINE_Q8(6)
+DEFINE_ALL(6)
 #define MOST_ROWS 6
 #else
 #define MOST_ROWS 3
 #endif
 
-typedef void (*rows_fn)(const Mat *, const Act *, int, float *, int, int);
+typedef void (*rows_fn)(ROWS_ARGS);
 
-/* Tiles t0..t1 of m for every row of a, a band of tiles at a time: with many rows (a
- * prefill) the band's weights stay in cache while the rows pass. */
-static void product_tiles(const Mat *m, const Act *a, float *y, int t0, int t1) {
-    static const rows_fn q4[] = {0, q4_rows_1, q4_rows_2, q4_rows_3};
-    static const rows_fn q8[] = {0, q8_rows_1, q8_rows_2, q8_rows_3};
+static const rows_fn kernels[4][7] = {{0}, KERNELS(1), KERNELS(2), KERNELS(3)};
+#if defined(FP_AVX512)
+static const rows_fn kernels_most[7] = KERNELS(6);
+#else
+static const rows_fn kernels_most[7] = KERNELS(3);
+#endif
+
+/* Tiles t0..t1 of m (one matrix of a chain) for every row of a, a band of tiles at a
+ * time: with many rows (a prefill) the band's weights stay in cache while the rows
+ * pass. */
+static void product_tiles(const Mat *m, const Act *a, float *y, int stride, int col, int t0, int t1) {
     const int band = 8;
     for (int b0 = t0; b0 < t1; b0 += band) {
         int b1 = b0 + band < t1 ? b0 + band : t1;
         int r = 0;
         while (r < a->rows) {
             int left = a->rows - r;
-            rows_fn fn;
-            int take;
-            if (left >= MOST_ROWS && MOST_ROWS > 3) {
-#if defined(FP_AVX512)
-                fn = m->bits == 4 ? q4_rows_6 : q8_rows_6;
-#else
-                fn = 0;
-#endif
-                take = MOST_ROWS;
-            } else {
-                take = left > 3 ? 3 : left;
-                fn = m->bits == 4 ? q4[take] : q8[take];
-            }
-            fn(m, a, r, y, b0, b1);
+            int take = left >= MOST_ROWS ? MOST_ROWS : (left > 3 ? 3 : left);
+            rows_fn fn = take == MOST_ROWS ? kernels_most[m->kind] : kernels[take][m->kind];
+            fn(m, a, r, y, stride, col, b0, b1);
             r += take;
         }
     }
@@ -471,17 +659,107 @@ typedef struct {
     const Mat *m;
     const Act *a;
     float *y;
+    int stride, tiles; /* the chain's outputs and tiles, all its matrices together */
 } ProductJob;
 
+/* A contiguous share of the chain's tiles, matrix by matrix. */
 static void product_part(void *ctx, int part, int parts) {
     const ProductJob *job = ctx;
-    int tiles = job->m->tiles;
-    product_tiles(job->m, job->a, job->y, tiles * part / parts, tiles * (part + 1) / parts);
+    int first = (int)((int64_t)job->tiles * part / parts);
+    int last = (int)((int64_t)job->tiles * (part + 1) / parts);
+    int base = 0, col = 0;
+    for (const Mat *m = job->m; m && base < last; m = m->next) {
+        int lo = first > base ? first - base : 0, hi = last - base < m->tiles ? last - base : m->tiles;
+        if (lo < hi) product_tiles(m, job->a, job->y, job->stride, col, lo, hi);
+        base += m->tiles;
+        col += m->out;
+    }
+}
+
+static int chain_out(const Mat *m) {
+    int out = 0;
+    for (; m; m = m->next) out += m->out;
+    return out;
 }
 
 static void product(const Mat *m, const Act *a, float *y, int threads) {
-    ProductJob job = {m, a, y};
-    run_parts(product_part, &job, threads < m->tiles ? threads : m->tiles);
+    ProductJob job = {m, a, y, chain_out(m), 0};
+    for (const Mat *k = m; k; k = k->next) job.tiles += k->tiles;
+    run_parts(product_part, &job, threads < job.tiles ? threads : job.tiles);
+}
+
+/* ---- rows of a matrix as fp32 (the embedding table, and tests) ---------------------- */
+
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* Row `row` of m (not a chain) -> out [in]: each weight as gguf's dequantisation
+ * computes it (the same fp32 operations in the same order), times m's scale. */
+static void unpack_row(const Mat *m, int64_t row, float *out) {
+    const int o = (int)(row % TILE), k = m->kind;
+    const uint8_t *p = m->data + (size_t)(row / TILE) * tile_bytes(m);
+    float d = 0.0f, dmin = 0.0f;
+    for (int g = 0; g < m->groups; g++) {
+        float *w = out + g * GROUP;
+        if ((k == KIND_Q4K || k == KIND_Q5K || k == KIND_Q6K) && g % 8 == 0) {
+            d = half_at(p + 2 * o);
+            dmin = half_at(p + 2 * TILE + 2 * o);
+            p += 4 * TILE;
+        }
+        if (k == KIND_Q4 || k == KIND_Q4K) {
+            for (int b = 0; b < 4; b++)
+                for (int j = 0; j < 4; j++) {
+                    uint8_t byte = p[b * 4 * TILE + 4 * o + j];
+                    w[8 * b + j] = (float)(byte & 15);
+                    w[8 * b + 4 + j] = (float)(byte >> 4);
+                }
+            if (k == KIND_Q4) {
+                float scale = half_at(p + 16 * TILE + 2 * o), low = half_at(p + 18 * TILE + 2 * o);
+                for (int i = 0; i < GROUP; i++) w[i] = w[i] * scale + low;
+                p += 20 * TILE;
+            } else {
+                float scale = d * (float)p[16 * TILE + o], low = dmin * (float)p[17 * TILE + o];
+                for (int i = 0; i < GROUP; i++) w[i] = scale * w[i] - low;
+                p += 18 * TILE;
+            }
+        } else if (k == KIND_Q8) {
+            float scale = half_at(p + 32 * TILE + 2 * o);
+            for (int b = 0; b < 8; b++)
+                for (int j = 0; j < 4; j++) w[4 * b + j] = scale * (float)(int8_t)p[b * 4 * TILE + 4 * o + j];
+            p += 34 * TILE;
+        } else if (k == KIND_Q5K || k == KIND_Q6K) {
+            const uint8_t *scales = p + 32 * TILE;
+            for (int i = 0; i < GROUP; i++) {
+                float q = (float)p[(i / 4) * 4 * TILE + 4 * o + i % 4];
+                if (k == KIND_Q6K)
+                    w[i] = (d * (float)(int8_t)scales[(i / 16) * TILE + o]) * (q - 32.0f);
+                else
+                    w[i] = (d * (float)scales[o]) * q - dmin * (float)scales[2 * TILE + o];
+            }
+            p += 35 * TILE;
+        } else {
+            for (int i = 0; i < GROUP; i++) {
+                const uint8_t *v = p + (size_t)(i * TILE + o) * 2;
+                if (k == KIND_F16) {
+                    w[i] = half_at(v);
+                } else {
+                    uint32_t bits = (uint32_t)(v[0] | v[1] << 8) << 16;
+                    memcpy(&w[i], &bits, 4);
+                }
+            }
+            p += 64 * TILE;
+        }
+    }
+    if (m->scale != 1.0f)
+        for (int i = 0; i < m->in; i++) out[i] *= m->scale;
+}
+
+/* out [count][in] = rows `rows` of m. */
+void fp_unpack_rows(const Mat *m, const int64_t *rows, int32_t count, float *out) {
+    for (int r = 0; r < count; r++) unpack_row(m, rows[r], out + (size_t)r * m->in);
 }
 
 /* ---- activation buffers ----------------------------------------------------------- */
@@ -493,7 +771,8 @@ static int act_reserve(Act *a, int rows, int in) {
     a->d = malloc((size_t)rows * groups * sizeof(float));
     a->dsum = malloc((size_t)rows * groups * sizeof(float));
     a->csum = malloc((size_t)rows * groups * sizeof(int32_t));
-    return a->c && a->c2 && a->d && a->dsum && a->csum;
+    a->csum16 = malloc((size_t)rows * groups * 2 * sizeof(int32_t));
+    return a->c && a->c2 && a->d && a->dsum && a->csum && a->csum16;
 }
 
 static void act_free(Act *a) {
@@ -502,6 +781,7 @@ static void act_free(Act *a) {
     free(a->d);
     free(a->dsum);
     free(a->csum);
+    free(a->csum16);
 }
 
 /* y [rows][out] = x [rows][in] through m, on up to `threads` threads. Returns 0, or -1
@@ -748,9 +1028,13 @@ int fp_forward(const Model *md, int32_t rows, const int64_t *tokens, const int64
         for (int r = 0; r < rows; r++) /* where each row's positions are in the cache */
             for (int64_t p = 0; p <= positions[r]; p++)
                 slots[r * longest + p] = slot_of(tables + (size_t)r * width, md->block_size, p);
-        for (int r = 0; r < rows; r++)
-            memcpy(x + (size_t)r * hidden, md->embed + (size_t)tokens[r] * hidden,
-                   (size_t)hidden * sizeof(float));
+        for (int r = 0; r < rows; r++) {
+            if (md->embed)
+                memcpy(x + (size_t)r * hidden, md->embed + (size_t)tokens[r] * hidden,
+                       (size_t)hidden * sizeof(float));
+            else
+                unpack_row(md->embed_mat, tokens[r], x + (size_t)r * hidden);
+        }
         size_t head_stride = (size_t)md->slots * dim;
         size_t layer_stride = (size_t)md->kv_heads * head_stride;
         for (int l = 0; l < md->layers; l++) {

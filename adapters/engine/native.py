@@ -11,12 +11,17 @@ choice (adapters/engine/choose.py) simply has one candidate fewer.
 variant even on an AVX-512 machine (the tests compare the two: they must agree bit for
 bit, see native.c).
 
-What is packed here (native.c's header has the byte layout):
-- 4-bit matrices (`bits=4`): groups of 32 inputs, an fp16 scale and minimum per group
-  (W = q * scale + minimum, q in 0..15): a Q4_1 block, so the default model's 4-bit
-  weights come back as shipped;
-- 8-bit matrices (`bits=8`): groups of 32, an fp16 scale per group (W = q * scale,
-  q in -127..127): a Q8_0 block, for the output projection.
+What is packed here (native.c's header has the byte layouts of every kind):
+- float matrices (safetensors, or a GGUF type the kernels lack) quantized by
+  `pack4` into 4-bit groups of 32 inputs with an fp16 scale and minimum per group
+  (W = q * scale + minimum, q in 0..15: a Q4_1 block), or by `pack8` into 8-bit
+  groups with an fp16 scale (W = q * scale, q in -127..127: a Q8_0 block, for the
+  output projection);
+- a GGUF's blocks as shipped (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16),
+  repacked into tiles by adapters/engine/ggml_blocks.py with no fp32 copy: every
+  weight the kernels use is gguf's own dequantised value.
+A product (NativeProduct) is one or more such matrices over the same inputs, each
+with its own kind and output scale: q, k and v of a layer, each as its file holds it.
 """
 
 from __future__ import annotations
@@ -54,14 +59,19 @@ class NativeUnavailable(RuntimeError):
 
 
 class Mat(ctypes.Structure):
-    _fields_ = [
-        ("out", ctypes.c_int32),
-        ("in_", ctypes.c_int32),
-        ("groups", ctypes.c_int32),
-        ("tiles", ctypes.c_int32),
-        ("bits", ctypes.c_int32),
-        ("data", ctypes.c_void_p),
-    ]
+    pass
+
+
+Mat._fields_ = [
+    ("out", ctypes.c_int32),
+    ("in_", ctypes.c_int32),
+    ("groups", ctypes.c_int32),
+    ("tiles", ctypes.c_int32),
+    ("kind", ctypes.c_int32),  # ggml_blocks.KINDS
+    ("data", ctypes.c_void_p),
+    ("scale", ctypes.c_float),
+    ("next", ctypes.POINTER(Mat)),
+]
 
 
 # native.c's per-layer pointer arrays after the caches, in its order (NULL: none).
@@ -83,6 +93,7 @@ class ModelStruct(ctypes.Structure):
         ("max_context", ctypes.c_int32),
         ("eps", ctypes.c_float),
         ("embed", ctypes.c_void_p),
+        ("embed_mat", ctypes.POINTER(Mat)),
         ("final_norm", ctypes.c_void_p),
         ("head", ctypes.POINTER(Mat)),
         ("input_norm", ctypes.POINTER(ctypes.c_void_p)),
@@ -171,6 +182,13 @@ def _load(wanted: str | None) -> Library:
         ctypes.c_int32,  # rows
         ctypes.c_void_p,  # y
         ctypes.c_int32,  # threads
+    ]
+    handle.fp_unpack_rows.restype = None
+    handle.fp_unpack_rows.argtypes = [
+        ctypes.c_void_p,  # matrix
+        ctypes.c_void_p,  # rows int64
+        ctypes.c_int32,  # how many
+        ctypes.c_void_p,  # out
     ]
     handle.fp_forward.restype = ctypes.c_int
     handle.fp_forward.argtypes = [
@@ -328,28 +346,68 @@ def _check_finite(*tensors: torch.Tensor) -> None:
             raise ValueError("a weight group's scale does not fit in fp16")
 
 
-class NativeProduct:
-    """y = x @ W.T with W packed at `bits` (4 or 8): a weight format's Projection."""
+@dataclass(frozen=True)
+class Part:
+    """One matrix of a product: native.c's tiles of one kind (ggml_blocks.KINDS)."""
 
-    def __init__(self, weight: torch.Tensor, bits: int, library: Library | None = None) -> None:
-        if weight.device.type != "cpu":
-            raise ValueError("the native formats are CPU formats")
+    packed: torch.Tensor  # uint8 [tiles, ...]
+    kind: str
+    out_features: int
+    in_features: int
+    source: str  # what the tiles hold: a GGML type as shipped, or a requantisation
+    scale: float = 1.0  # the outputs times this
+
+
+def quantized_part(weight: torch.Tensor, bits: int, tile: int, scale: float = 1.0) -> Part:
+    """A float matrix [out, in] in fencepost's 4-bit (Q4_1) or 8-bit (Q8_0) groups."""
+    if weight.device.type != "cpu":
+        raise ValueError("the native formats are CPU formats")
+    out_features, in_features = weight.shape
+    packed = pack_in_parts(weight.detach(), bits, tile)
+    kind = "q4" if bits == 4 else "q8"
+    return Part(packed, kind, out_features, in_features, f"fencepost {bits}-bit groups", scale)
+
+
+class NativeProduct:
+    """y = x @ W.T with W in native.c's tiles: a weight format's Projection. Either a
+    float matrix quantized at `bits` (4 or 8), or `parts` already packed (a GGUF's
+    blocks as shipped: adapters/engine/ggml_blocks.py), one after another in the outputs."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor | None = None,
+        bits: int = 4,
+        library: Library | None = None,
+        parts: list[Part] | None = None,
+    ) -> None:
+        from adapters.engine.ggml_blocks import KINDS
+
         self.library = library or load()
-        out_features, in_features = weight.shape
-        self.packed = pack_in_parts(weight.detach(), bits, self.library.tile)
-        self.bits = bits
-        self.out_features, self.in_features = out_features, in_features
-        self.mat = Mat(
-            out_features,
-            in_features,
-            in_features // GROUP,
-            self.packed.shape[0],
-            bits,
-            self.packed.data_ptr(),
-        )
-        self.nbytes = out_features * in_features * bits // 8 + (
-            out_features * (in_features // GROUP) * (4 if bits == 4 else 2)
-        )
+        if parts is None:
+            if weight is None:
+                raise ValueError("a native product needs a weight or packed parts")
+            parts = [quantized_part(weight, bits, self.library.tile)]
+        if len({part.in_features for part in parts}) != 1:
+            raise ValueError("the parts of one product take the same inputs")
+        self.parts = parts
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+        self._mats = (Mat * len(parts))()
+        for index, part in enumerate(parts):
+            self._mats[index] = Mat(
+                part.out_features,
+                part.in_features,
+                part.in_features // GROUP,
+                part.packed.shape[0],
+                KINDS[part.kind],
+                part.packed.data_ptr(),
+                part.scale,
+                None,
+            )
+        for index in range(len(parts) - 1):
+            self._mats[index].next = ctypes.pointer(self._mats[index + 1])
+        self.mat = self._mats[0]
+        self.nbytes = sum(part.packed.numel() for part in parts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
@@ -357,8 +415,24 @@ class NativeProduct:
         self.library.matmul(self.mat, flat, y)
         return y.view(*x.shape[:-1], self.out_features)
 
+    def rows(self, index: torch.Tensor, part: int = 0) -> torch.Tensor:
+        """Rows `index` of one part as the kernels see them (fp32, times its scale)."""
+        index = index.to(torch.int64).contiguous()
+        out = torch.empty(index.shape[0], self.in_features, dtype=torch.float32)
+        if index.numel() and (
+            int(index.min()) < 0 or int(index.max()) >= self.parts[part].out_features
+        ):
+            raise IndexError("a row outside the matrix")
+        self.library.handle.fp_unpack_rows(
+            ctypes.byref(self._mats[part]), index.data_ptr(), index.shape[0], out.data_ptr()
+        )
+        return out
+
     def dense(self) -> torch.Tensor:
-        return unpack(self.packed, self.bits, self.out_features, self.in_features)
+        """Every weight as the kernels use it (for tests and the quality gate)."""
+        return torch.cat(
+            [self.rows(torch.arange(part.out_features), n) for n, part in enumerate(self.parts)]
+        )
 
 
 # What the fused pass computes beyond the plain Llama layer (spec.ModelSpec.features):
@@ -414,6 +488,11 @@ class NativeModel:
             for name in ("qkv", "o", "gate_up", "down")
         }
         keep: list[Any] = [runner.embed, runner.final_norm, runner.lm_head]
+        # The embedding table: fp32 rows, or a packed matrix whose rows native.c unpacks
+        # (a GGUF's table as shipped, often the tied output projection itself).
+        shipped_embed = isinstance(runner.embed, NativeProduct)
+        if shipped_embed and len(runner.embed.parts) != 1:
+            raise ValueError("the embedding table is one matrix")
 
         def pointers(tensors: list[torch.Tensor | None]) -> Any:
             """A [layers] array of data pointers (NULL for None), its tensors kept alive."""
@@ -449,7 +528,7 @@ class NativeModel:
         keep += [windows, caps]
         inter = layers[0].down.in_features
         self.struct = ModelStruct(
-            hidden=runner.embed.shape[1],
+            hidden=spec.hidden,
             heads=runner.heads,
             kv_heads=runner.kv_heads,
             head_dim=runner.head_dim,
@@ -460,7 +539,8 @@ class NativeModel:
             slots=runner.k_cache.shape[2],  # the pool and the scratch block
             max_context=runner.max_context,
             eps=runner.eps,
-            embed=runner.embed.data_ptr(),
+            embed=None if shipped_embed else runner.embed.data_ptr(),
+            embed_mat=ctypes.pointer(runner.embed.mat) if shipped_embed else None,
             final_norm=runner.final_norm.data_ptr(),
             head=ctypes.pointer(runner.lm_head.mat),
             input_norm=pointers([w.pre_attention for w in layers]),

@@ -27,7 +27,9 @@ into the weights as they are loaded (`_load`), so none of them costs a step.
 from __future__ import annotations
 
 import ctypes
+from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -56,7 +58,7 @@ from adapters.engine.weights import (
 
 if TYPE_CHECKING:
     from adapters.engine.model import LoadedModel
-    from adapters.engine.native import NativeModel
+    from adapters.engine.native import NativeModel, NativeProduct, Part
 
 # A prefill attends row by row (row_attention) when its rows read at most this many
 # positions together: each row reads its whole prefix, so the work grows with the
@@ -164,9 +166,12 @@ class Runner:
         self.eps = spec.eps
         self.vocab_size = spec.vocab
         self.max_context = max_context
-        self.embed, self.final_norm, self.lm_head, self.layers = _load(
+        self.embed, self.final_norm, self.lm_head, self.layers, sources = _load(
             loaded, spec, weights, self.state_dtype
         )
+        # How many matrices came in each form (w4a16 on a GGUF: its block types as
+        # shipped, and any requantised): for the start log.
+        self.weight_sources: Counter[str] = sources
         loaded.checkpoint.release()
         return_freed_heap()
         # Norms, rotary and the SiLU gate as one triton kernel each (fused.py): on CUDA,
@@ -225,6 +230,23 @@ class Runner:
 
             self._native = NativeModel(self)
 
+    def _embedded(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The rows of the embedding table the torch passes start from (a packed table:
+        unpacked by native.c, as its fused pass does)."""
+        if isinstance(self.embed, torch.Tensor):
+            return self.embed[tokens]
+        return self.embed.rows(tokens.cpu()).to(self.device)
+
+    def embed_bytes(self) -> int:
+        """Bytes the embedding table takes (packed, or fp32 rows); 0 where it is the
+        output projection's own tiles."""
+        if isinstance(self.embed, torch.Tensor):
+            return _nbytes(self.embed)
+        head_parts = getattr(self.lm_head, "parts", [])
+        if head_parts and self.embed.parts[0].packed is head_parts[0].packed:
+            return 0
+        return self.embed.nbytes
+
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step must read (each matrix once)."""
         total: int = self.lm_head.nbytes + _nbytes(self.final_norm)
@@ -248,7 +270,7 @@ class Runner:
         if self._native is not None:
             return self._native.forward(tokens, positions, pages.tables)
         attend = self._paged_attend(pages, positions)
-        return self._forward_rows(self.embed[tokens], positions, pages.tables, attend, None)
+        return self._forward_rows(self._embedded(tokens), positions, pages.tables, attend, None)
 
     def _paged_attend(self, pages: Pages, positions: torch.Tensor) -> Attend:
         """The eager decode step's attention: each row over its own prefix through
@@ -293,7 +315,7 @@ class Runner:
         """decode() at fixed shapes, for static_decode.py: every input a tensor of a
         size fixed per batch size (tables [rows, widest]), no Python value read from
         the device, attention by `attend` (paged_attention.py). -> logits [rows, vocab]."""
-        return self._forward_rows(self.embed[tokens], positions, tables, attend, None)
+        return self._forward_rows(self._embedded(tokens), positions, tables, attend, None)
 
     def _forward_rows(
         self,
@@ -356,7 +378,7 @@ class Runner:
             return self._native_prefill(chunks, rows)
         if self.row_attention is not None and _reads(chunks) <= ROW_ATTENTION_POSITIONS:
             return self._prefill_by_rows(chunks, rows, self.row_attention)
-        x = self.embed[torch.cat([chunk.tokens for chunk in chunks])]
+        x = self._embedded(torch.cat([chunk.tokens for chunk in chunks]))
         spans = []
         for chunk in chunks:
             count = chunk.tokens.shape[0]
@@ -404,7 +426,7 @@ class Runner:
         one call per chunk."""
         tokens, positions, tables, longest = self._rows_of(chunks)
         attend = attention.bind(tables, positions + 1, longest)
-        return self._forward_rows(self.embed[tokens], positions, tables, attend, rows)
+        return self._forward_rows(self._embedded(tokens), positions, tables, attend, rows)
 
     def _native_prefill(self, chunks: list[Chunk], rows: Sequence[int]) -> torch.Tensor:
         """prefill_packed through the fused native pass: one row per chunk token, at its
@@ -663,9 +685,75 @@ def return_freed_heap() -> None:
     libc.malloc_trim(0)
 
 
+class _Shipped:
+    """The native format's products from a GGUF's blocks as shipped (adapters/engine/
+    ggml_blocks.py): each tensor packed straight from the file's bytes, never as fp32, unless
+    its type is one the kernels lack, which is dequantised and requantised (4-bit
+    groups, or 8-bit for the 5-bit types) and counted as such in `sources`."""
+
+    WIDER = ("Q5_0", "Q5_1", "Q8_1")  # more than 4 bits: requantised to 8
+
+    def __init__(self, checkpoint: Any) -> None:
+        from adapters.engine.native import load
+
+        self.checkpoint = checkpoint
+        self.library = load()
+        self.sources: Counter[str] = Counter()
+        self._parts: dict[tuple[str, int], Part] = {}
+
+    def part(self, name: str, bits: int) -> Part:
+        """`name`'s matrix, packed once however many products use it."""
+        from adapters.engine.ggml_blocks import FALLBACK, pack_blocks, shippable
+        from adapters.engine.native import Part, quantized_part
+
+        key = (name, bits)
+        if key in self._parts:
+            return self._parts[key]
+        type_name, raw, (rows, cols) = self.checkpoint.blocks(name)
+        if shippable(type_name, cols):
+            packed, kind = pack_blocks(type_name, raw, rows, cols, self.library.tile)
+            part = Part(packed, kind, rows, cols, f"{type_name} as shipped")
+            self.checkpoint.done_with(name)
+        else:
+            wide = 8 if type_name in self.WIDER else bits
+            part = quantized_part(self.checkpoint.tensor(name).float(), wide, self.library.tile)
+            part = replace(part, source=f"{type_name} -> {FALLBACK.replace('8', str(wide))}")
+        self.sources[part.source] += 1
+        self._parts[key] = part
+        return part
+
+    def product(
+        self, names: Sequence[str], scales: Sequence[float], bits: int = 4
+    ) -> NativeProduct:
+        """The product over these tensors' rows, one after another, each's outputs times
+        its scale. `bits`: what a type the kernels lack is requantised to."""
+        from adapters.engine.native import NativeProduct
+
+        parts = [
+            replace(self.part(name, bits), scale=scale)
+            for name, scale in zip(names, scales, strict=True)
+        ]
+        return NativeProduct(library=self.library, parts=parts)
+
+    def embedding(self, name: str, scale: float, head_name: str) -> torch.Tensor | NativeProduct:
+        """The embedding table: packed as shipped (shared with a tied head) where its
+        type runs so, else fp32 rows as the other formats keep it."""
+        from adapters.engine.ggml_blocks import shippable
+        from adapters.engine.native import NativeProduct
+
+        type_name, _, shape = self.checkpoint.quantized(name)
+        if len(shape) != 2 or not shippable(type_name, shape[1]):
+            table: torch.Tensor = self.checkpoint.tensor(name).float()
+            return table * scale if scale != 1.0 else table
+        part = self.part(name, 8 if name == head_name else 4)  # a tied head's own tiles
+        return NativeProduct(library=self.library, parts=[replace(part, scale=scale)])
+
+
 def _load(
     loaded: LoadedModel, spec: ModelSpec, fmt: str, state: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, Projection, list[LayerWeights]]:
+) -> tuple[
+    torch.Tensor | NativeProduct, torch.Tensor, Projection, list[LayerWeights], Counter[str]
+]:
     """(embedding table, final norm, lm_head, layers) from the checkpoint, tensor by
     tensor: products in `fmt`, the rest in `state`, each source let go once converted.
 
@@ -676,8 +764,14 @@ def _load(
     logit multiplier into lm_head, and the norm offset (Gemma's 1 + w) into every
     norm weight. A tied lm_head is the embedding table itself unless one of those
     scales differs between them.
+
+    w4a16 on a GGUF keeps the file's blocks (_Shipped): the attention scale, the
+    residual and logit multipliers then scale the products' outputs instead of the
+    weights, and the embedding table is a packed matrix (the tied head's own tiles)
+    whose rows native.c unpacks.
     """
     checkpoint, names, device = loaded.checkpoint, loaded.tensors, loaded.device
+    packer = _Shipped(checkpoint) if fmt == "w4a16" and hasattr(checkpoint, "blocks") else None
 
     def read(name: str) -> torch.Tensor:
         return checkpoint.tensor(name).to(device=device, dtype=torch.float32)
@@ -691,47 +785,72 @@ def _load(
         return (read(name) + spec.norm_offset).to(state)
 
     with torch.no_grad():
-        embed = read(names.embed)
         head_scale = spec.logit_scale
+        head_name = names.embed
         if names.lm_head is not None and checkpoint.has(names.lm_head):
-            head = read(names.lm_head) * head_scale if head_scale != 1.0 else read(names.lm_head)
+            head_name = names.lm_head
         elif names.lm_head is not None and not spec.tie_embeddings:
             raise CheckpointError(f"{checkpoint.source}: no {names.lm_head}, and it is not tied")
+        table: torch.Tensor | NativeProduct
+        lm_head: Projection
+        if packer is not None:
+            lm_head = packer.product([head_name], [head_scale], bits=8)
+            table = packer.embedding(names.embed, spec.embed_scale, head_name)
         else:
-            head = embed * head_scale if head_scale != 1.0 else embed
-        lm_head = projection(head, output_format(fmt))
-        del head
-        table = (embed * spec.embed_scale if spec.embed_scale != 1.0 else embed).to(state)
-        del embed
+            embed = read(names.embed)
+            head = embed if head_name == names.embed else read(head_name)
+            head = head * head_scale if head_scale != 1.0 else head
+            lm_head = projection(head, output_format(fmt))
+            del head
+            table = (embed * spec.embed_scale if spec.embed_scale != 1.0 else embed).to(state)
+            del embed
         final = norm(names.final_norm)
         assert final is not None
         layers = []
         for layer, where in zip(spec.layers, names.layers, strict=False):
             attention, residual = layer.attention, spec.residual_scale
             q_size = attention.heads * attention.head_dim
-            qkv = rows(where.qkv)
             q_norm, k_norm = norm(where.q_norm), norm(where.k_norm)
             bias = rows(where.qkv_bias).to(state) if where.qkv_bias else None
+            q_scale = 1.0 if q_norm is not None else attention.scale
             if q_norm is not None:
                 q_norm = q_norm * attention.scale
-            else:  # out of place: a tensor read may be the checkpoint's own (in memory)
-                qkv = torch.cat([qkv[:q_size] * attention.scale, qkv[q_size:]])
-                if bias is not None:
-                    bias = torch.cat([bias[:q_size] * attention.scale, bias[q_size:]])
-            o, down = read(where.o), read(where.down)
+            elif bias is not None:  # out of place: a tensor read may be the checkpoint's own
+                bias = torch.cat([bias[:q_size] * attention.scale, bias[q_size:]])
             o_bias = read(where.o_bias).to(state) if where.o_bias else None
             down_bias = read(where.down_bias).to(state) if where.down_bias else None
             if residual != 1.0:
-                o, down = o * residual, down * residual
                 o_bias = o_bias * residual if o_bias is not None else None
                 down_bias = down_bias * residual if down_bias is not None else None
             gate_up_bias = rows(where.gate_up_bias).to(state) if where.gate_up_bias else None
+            products: tuple[Projection, Projection, Projection, Projection]
+            if packer is not None:  # each tensor as shipped, scales on the outputs
+                if len(where.qkv) != 3 and q_scale != 1.0:
+                    raise CheckpointError("a fused q|k|v tensor with a scale on q only")
+                qkv_scales = [q_scale, 1.0, 1.0] if len(where.qkv) == 3 else [1.0]
+                products = (
+                    packer.product(where.qkv, qkv_scales),
+                    packer.product([where.o], [residual]),
+                    packer.product(where.gate_up, [1.0] * len(where.gate_up)),
+                    packer.product([where.down], [residual]),
+                )
+            else:
+                qkv = rows(where.qkv)
+                if q_scale != 1.0:  # out of place, as the bias
+                    qkv = torch.cat([qkv[:q_size] * q_scale, qkv[q_size:]])
+                o, down = read(where.o), read(where.down)
+                if residual != 1.0:
+                    o, down = o * residual, down * residual
+                products = (
+                    projection(qkv, fmt),
+                    projection(o, fmt),
+                    projection(rows(where.gate_up), fmt),
+                    projection(down, fmt),
+                )
+                del qkv, o, down
             layers.append(
                 LayerWeights(
-                    qkv=projection(qkv, fmt),
-                    o=projection(o, fmt),
-                    gate_up=projection(rows(where.gate_up), fmt),
-                    down=projection(down, fmt),
+                    *products,
                     pre_attention=norm(where.pre_attention),
                     post_attention=norm(where.post_attention),
                     pre_mlp=norm(where.pre_mlp),
@@ -744,5 +863,5 @@ def _load(
                     k_norm=k_norm,
                 )
             )
-            del qkv, o, down
-    return table, final, lm_head, layers
+    sources = packer.sources if packer is not None else Counter()
+    return table, final, lm_head, layers, sources

@@ -18,9 +18,12 @@
   each product turns its fp32 activations into 16-bit integers per group of 32 (two
   bytes each) and multiplies integers (AVX-512 VNNI or AVX2), in our own C kernels
   (adapters/engine/native.c, compiled at first use); the output projection is 8-bit
-  per group of 32 (a Q8_0 block, as the default model ships it). A decode step in
-  this format is one call into C (the fused pass, with an fp16 KV cache): no
-  per-operation dispatch from Python.
+  per group of 32 (a Q8_0 block, as the default model ships it). On a GGUF file
+  the kernels take the file's own blocks instead (Q4_K, Q6_K, Q5_K, Q8_0, Q4_0,
+  Q4_1, F16, BF16: adapters/engine/ggml_blocks.py), each tensor as shipped, with no
+  fp32 copy and no requantisation; other types are requantised, and the start log
+  says which. A decode step in this format is one call into C (the fused pass,
+  with an fp16 KV cache): no per-operation dispatch from Python.
 
 Which format a CPU should use is measured, not assumed (adapters/engine/choose.py):
 what its kernels run at and whether the format passes the quality gate
