@@ -253,3 +253,13 @@ def test_the_start_log_says_which_tensors_ran_as_shipped_and_which_did_not(
     line = next(ln for ln in capsys.readouterr().err.splitlines() if "weights: " in ln)
     assert "1 x Q5_0 -> fencepost 8-bit groups (requantised)" in line
     assert "x Q4_K as shipped" in line and "x BF16 as shipped" in line
+
+
+def test_packing_in_parts_of_rows_gives_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from adapters.engine import ggml_blocks
+
+    raw = random_blocks("Q6_K", 100, 256, seed=8)
+    whole, _ = pack_blocks("Q6_K", raw, 100, 256, 16)
+    monkeypatch.setattr(ggml_blocks, "PACK_ROWS", 32)  # 4 parts, the last partial
+    parts, _ = pack_blocks("Q6_K", raw, 100, 256, 16)
+    assert torch.equal(parts, whole)

@@ -61,21 +61,29 @@ def tile_bytes(kind: str, cols: int, tile: int) -> int:
     return (groups * PER_GROUP[kind] + groups // 8 * HEADER.get(kind, 0)) * tile
 
 
-def pack_blocks(
-    type_name: str, raw: Any, rows: int, cols: int, tile: int
-) -> tuple[torch.Tensor, str]:
+# Rows packed at a time: the layouts make a few temporaries of their input's size
+# (a 49k-row head's would be hundreds of MB at once); tiles are independent.
+PACK_ROWS = 4096
+
+
+def pack_blocks(type_name: str, raw: Any, rows: int, cols: int, tile: int) -> tuple[torch.Tensor, str]:
     """A GGUF tensor's data as shipped ([rows] rows of blocks; any numpy view of its
     bytes) -> (the tiles of its kind, uint8 [tiles, tile_bytes], and the kind)."""
     kind, block, per_block = SHIPPED[type_name]
-    data = np.ascontiguousarray(np.asarray(raw).view(np.uint8).reshape(rows, -1))
+    data = np.asarray(raw).view(np.uint8).reshape(rows, -1)
     if data.shape[1] != cols // per_block * block:
         raise ValueError(f"{type_name}: {data.shape[1]} bytes a row for {cols} weights")
     tiles = -(-rows // tile)
-    padded = np.zeros((tiles * tile, data.shape[1]), dtype=np.uint8)
-    padded[:rows] = data  # zero rows: zero scales, zero weights
-    blocks = torch.from_numpy(padded).view(tiles * tile, cols // per_block, block)
-    layout = _LAYOUTS[type_name](blocks, tile)
-    return layout.reshape(tiles, -1).contiguous(), kind
+    out = torch.empty(tiles, tile_bytes(kind, cols, tile), dtype=torch.uint8)
+    step = max(tile, PACK_ROWS // tile * tile)
+    for first in range(0, rows, step):
+        part = data[first : first + step]
+        count = -(-part.shape[0] // tile)
+        padded = np.zeros((count * tile, data.shape[1]), dtype=np.uint8)
+        padded[: part.shape[0]] = part  # zero rows: zero scales, zero weights
+        blocks = torch.from_numpy(padded).view(count * tile, cols // per_block, block)
+        out[first // tile : first // tile + count] = _LAYOUTS[type_name](blocks, tile).reshape(count, -1)
+    return out, kind
 
 
 def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
