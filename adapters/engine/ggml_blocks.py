@@ -12,8 +12,8 @@ for bit (tests/test_gguf_blocks.py compares them with gguf.dequantize):
 | Q4_1 | q4: scale d, minimum m | 5 (5) |
 | Q8_0 | q8 | 8.5 (8.5) |
 | Q4_K | q4k: per super-block d, dmin; per 32 the 6-bit sc and m | 4.625 (4.5) |
-| Q5_K | q5k: whole bytes, per 32 sc and m | 8.875 (5.5) |
-| Q6_K | q6k: whole bytes, per 16 the signed sc | 8.875 (6.5625) |
+| Q5_K | q5k: nibbles and a plane of fifth bits; per 32 sc and m | 5.625 (5.5) |
+| Q6_K | q6k: nibbles and two planes of high bits; per 16 the signed sc | 6.625 (6.5625) |
 | F16, BF16 | f16, bf16 | 16 (16) |
 
 Any other type (F32 matrices, Q5_0, Q5_1, Q2_K, Q3_K, the IQ types) is dequantised
@@ -31,8 +31,8 @@ import torch
 KINDS = {"q4": 0, "q8": 1, "q4k": 2, "q5k": 3, "q6k": 4, "f16": 5, "bf16": 6}
 # bytes of one tile per group of 32 inputs (in units of the tile's rows), and of a
 # super-block's header (the K kinds: 8 groups a super-block)
-PER_GROUP = {"q4": 20, "q8": 34, "q4k": 18, "q5k": 35, "q6k": 35, "f16": 64, "bf16": 64}
-HEADER = {"q4k": 4, "q5k": 4, "q6k": 4}
+PER_GROUP = {"q4": 20, "q8": 34, "q4k": 16, "q5k": 20, "q6k": 24, "f16": 64, "bf16": 64}
+HEADER = {"q4k": 20, "q5k": 20, "q6k": 20}
 # GGML type -> (kind, block bytes, weights a block)
 SHIPPED = {
     "Q4_0": ("q4", 18, 32),
@@ -161,15 +161,20 @@ def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _k_tiles(
-    blocks: torch.Tensor, d_at: int, dmin_at: int | None, groups: torch.Tensor, tile: int
-) -> torch.Tensor:
-    """A K kind's tiles: each super-block's header (d, then dmin or zeros) before its
-    eight groups ([tiles, super-blocks * 8, per group bytes])."""
+    blocks: torch.Tensor, d_at: int, dmin_at: int | None, scales: list[torch.Tensor],
+    groups: torch.Tensor, tile: int,
+) -> torch.Tensor:  # fmt: skip
+    """A K kind's tiles: each super-block's header (d; dmin or zeros; then `scales`, the
+    per-group bytes, [rows, super-blocks, 8 or 16] each, a tile's rows side by side)
+    before its eight groups' quants ([tiles, super-blocks * 8, bytes])."""
     d = _halves(blocks, d_at, tile)
     dmin = _halves(blocks, dmin_at, tile) if dmin_at is not None else torch.zeros_like(d)
     tiles, supers = d.shape[0], d.shape[1]
-    body = groups.reshape(tiles, supers, -1)
-    return torch.cat([d, dmin, body], dim=-1)
+    rows = tiles * tile
+    header = [d, dmin] + [
+        _per_row(part.reshape(rows, -1, 1), tile).reshape(tiles, supers, -1) for part in scales
+    ]
+    return torch.cat([*header, groups.reshape(tiles, supers, -1)], dim=-1)
 
 
 def _q4_k(blocks: torch.Tensor, tile: int) -> torch.Tensor:
@@ -177,15 +182,21 @@ def _q4_k(blocks: torch.Tensor, tile: int) -> torch.Tensor:
     sc, m = _scale_min_k4(blocks[..., 4:16])
     qs = blocks[..., 16:144].reshape(rows, supers, 4, 32)  # chunk c: groups 2c (low), 2c + 1
     q = torch.stack([qs & 15, qs >> 4], dim=3).reshape(rows, supers * 8, 32)
-    groups = torch.cat(
-        [
-            _nibbles(q, tile),
-            _per_row(sc.reshape(rows, supers * 8, 1), tile),
-            _per_row(m.reshape(rows, supers * 8, 1), tile),
-        ],
-        dim=-1,
-    )
-    return _k_tiles(blocks, 0, 2, groups, tile)
+    return _k_tiles(blocks, 0, 2, [sc, m], _nibbles(q, tile), tile)
+
+
+def _plane(high: torch.Tensor, tile: int, width: int) -> torch.Tensor:
+    """The high bits of the groups' quants ([rows, groups, 32], `width` bits each) ->
+    [tiles, groups, 4 * width * tile]: `width` planes a group, plane v for its inputs
+    32v / width on; in plane v, bits width * (2s + h) of byte 4 o + j hold input
+    8s + 4h + j of those, as native.c's q5k and q6k kernels read them."""
+    rows, groups, _ = high.shape
+    spans = 4 // width  # sub-blocks of 8 inputs a plane covers
+    h = high.reshape(rows, groups, width, spans, 2, 4).to(torch.int32)
+    shifts = (torch.arange(2 * spans, dtype=torch.int32) * width).view(spans, 2, 1)
+    byte = (h << shifts).sum(dim=(3, 4)).to(torch.uint8)  # [rows, groups, width, 4]
+    planes = _per_row(byte.reshape(rows, groups * width, 4), tile)
+    return planes.reshape(rows // tile, groups, 4 * width * tile)
 
 
 def _q5_k(blocks: torch.Tensor, tile: int) -> torch.Tensor:
@@ -193,21 +204,11 @@ def _q5_k(blocks: torch.Tensor, tile: int) -> torch.Tensor:
     sc, m = _scale_min_k4(blocks[..., 4:16])
     qh = blocks[..., 16:48]  # bit g of byte l: the fifth bit of weight l of group g
     qs = blocks[..., 48:176].reshape(rows, supers, 4, 32)
-    low = torch.stack([qs & 15, qs >> 4], dim=3).reshape(rows, supers, 8, 32)
+    low = torch.stack([qs & 15, qs >> 4], dim=3).reshape(rows, supers * 8, 32)
     shifts = torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)
-    high = (qh[:, :, None, :] >> shifts) & 1
-    q = (low | (high << 4)).reshape(rows, supers * 8, 32)
-    sc = sc.reshape(rows, supers * 8, 1)
-    groups = torch.cat(
-        [
-            _bytes(q, tile),
-            _per_row(sc, tile),
-            _per_row(sc, tile),
-            _per_row(m.reshape(rows, supers * 8, 1), tile),
-        ],
-        dim=-1,
-    )
-    return _k_tiles(blocks, 0, 2, groups, tile)
+    high = ((qh[:, :, None, :] >> shifts) & 1).reshape(rows, supers * 8, 32)
+    groups = torch.cat([_nibbles(low, tile), _plane(high, tile, 1)], dim=-1)
+    return _k_tiles(blocks, 0, 2, [sc, m], groups, tile)
 
 
 def _q6_k(blocks: torch.Tensor, tile: int) -> torch.Tensor:
@@ -217,19 +218,10 @@ def _q6_k(blocks: torch.Tensor, tile: int) -> torch.Tensor:
     low = torch.stack([ql & 15, ql >> 4], dim=3)  # [n][nibble][part]: weight 128n + 64k + 32p + l
     shifts = (torch.arange(4, dtype=torch.uint8) * 2).view(2, 2)  # bits 2(2k + p) of qh
     high = (qh[:, :, :, None, :, :] >> shifts.view(1, 1, 1, 2, 2, 1)) & 3
-    q = (low | (high << 4)).reshape(rows, supers * 8, 32)
-    sc = blocks[..., 192:208].reshape(rows, supers * 8, 2)  # signed, one per 16 weights
-    zero = torch.zeros(rows, supers * 8, 1, dtype=torch.uint8)
-    groups = torch.cat(
-        [
-            _bytes(q, tile),
-            _per_row(sc[..., 0:1].contiguous(), tile),
-            _per_row(sc[..., 1:2].contiguous(), tile),
-            _per_row(zero, tile),
-        ],
-        dim=-1,
-    )
-    return _k_tiles(blocks, 208, None, groups, tile)
+    sc = blocks[..., 192:208]  # signed, one per 16 weights
+    low, high = low.reshape(rows, supers * 8, 32), high.reshape(rows, supers * 8, 32)
+    groups = torch.cat([_nibbles(low, tile), _plane(high, tile, 2)], dim=-1)
+    return _k_tiles(blocks, 208, None, [sc], groups, tile)
 
 
 def _sixteen(blocks: torch.Tensor, tile: int) -> torch.Tensor:

@@ -65,10 +65,17 @@
 #endif
 
 #define GROUP 32
+/* A K kind's super-block header, in units of TILE bytes: d, dmin, then the eight groups'
+ * scales and minimums (Q6_K: sixteen half-group scales), so that every group's quants
+ * are whole cache lines (a group of 288 bytes split half its loads, 1.5x slower). */
+#define HEADER 20
 /* Weights stream through each product once a step; asking for the bytes 8 KiB ahead
  * of the loads made a one-row step 10% faster here (2 and 4 KiB: no gain; 16 and 32
  * KiB: less). A prefetch past the end of a matrix is harmless: it never faults. */
 #define PREFETCH 8192
+/* Ask for every cache line of the n bytes at p, PREFETCH ahead. */
+#define PREFETCH_SPAN(p, n)                                                                \
+    for (int off_ = 0; off_ < (n); off_ += 64) _mm_prefetch((const char *)(p) + PREFETCH + off_, _MM_HINT_T0)
 
 enum { KIND_Q4, KIND_Q8, KIND_Q4K, KIND_Q5K, KIND_Q6K, KIND_F16, KIND_BF16 };
 
@@ -81,10 +88,10 @@ typedef struct Mat {
 
 /* Bytes of one tile: per group, and per super-block header (the K kinds). */
 static size_t tile_bytes(const Mat *m) {
-    static const int per_group[] = {20, 34, 18, 35, 35, 64, 64};
+    static const int per_group[] = {20, 34, 16, 20, 24, 64, 64};
     int k = m->kind;
     size_t bytes = (size_t)m->groups * per_group[k] * TILE;
-    if (k == KIND_Q4K || k == KIND_Q5K || k == KIND_Q6K) bytes += (size_t)(m->groups / 8) * 4 * TILE;
+    if (k == KIND_Q4K || k == KIND_Q5K || k == KIND_Q6K) bytes += (size_t)(m->groups / 8) * HEADER * TILE;
     return bytes;
 }
 
@@ -317,6 +324,9 @@ typedef __m512i vi;
 #define VI_SET1(v) _mm512_set1_epi32(v)
 #define VI_SUB(a, b) _mm512_sub_epi32(a, b)
 #define VI_ADD(a, b) _mm512_add_epi32(a, b)
+#define VI_OR(a, b) _mm512_or_si512(a, b)
+#define VI_SHL16(a, k) _mm512_slli_epi16(a, k)
+#define VI_SHR16(a, k) _mm512_srli_epi16(a, k)
 #define VI_JOIN(hi, lo) _mm512_add_epi32(_mm512_slli_epi32(hi, 7), lo) /* 128 * hi + lo */
 #define VF_SET1(v) _mm512_set1_ps(v)
 #define VF_CVT(a) _mm512_cvtepi32_ps(a)
@@ -354,6 +364,9 @@ typedef __m256i vi;
 #define VI_SET1(v) _mm256_set1_epi32(v)
 #define VI_SUB(a, b) _mm256_sub_epi32(a, b)
 #define VI_ADD(a, b) _mm256_add_epi32(a, b)
+#define VI_OR(a, b) _mm256_or_si256(a, b)
+#define VI_SHL16(a, k) _mm256_slli_epi16(a, k)
+#define VI_SHR16(a, k) _mm256_srli_epi16(a, k)
 #define VI_JOIN(hi, lo) _mm256_add_epi32(_mm256_slli_epi32(hi, 7), lo)
 #define VF_SET1(v) _mm256_set1_ps(v)
 #define VF_CVT(a) _mm256_cvtepi32_ps(a)
@@ -472,18 +485,21 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
         const int groups = m->groups, in = m->in;                                         \
         for (int t = t0; t < t1; t++) {                                                    \
             const uint8_t *p = m->data + (size_t)t * tile_bytes(m);                        \
+            const uint8_t *header = p;                                                     \
             vf acc[RB], d = VF_ZERO(), dmin = VF_ZERO();                                   \
             for (int r = 0; r < RB; r++) acc[r] = VF_ZERO();                               \
             for (int g = 0; g < groups; g++) {                                             \
                 if (g % 8 == 0) {                                                          \
+                    header = p;                                                            \
+                    PREFETCH_SPAN(p, HEADER * TILE);                                       \
                     d = VF_HALF(p);                                                        \
                     dmin = VF_HALF(p + 2 * TILE);                                          \
-                    p += 4 * TILE;                                                         \
+                    p += HEADER * TILE;                                                    \
                 }                                                                          \
                 vi high_sum[RB], low_sum[RB];                                              \
                 NIBBLE_DOTS(RB)                                                            \
-                vf scale = VF_MUL(d, VF_U8(p)), minimum = VF_MUL(dmin, VF_U8(p + TILE));   \
-                p += 2 * TILE;                                                             \
+                const uint8_t *sc = header + (4 + g % 8) * TILE;                           \
+                vf scale = VF_MUL(d, VF_U8(sc)), minimum = VF_MUL(dmin, VF_U8(sc + 8 * TILE)); \
                 for (int r = 0; r < RB; r++) {                                             \
                     int at = (r0 + r) * groups + g;                                        \
                     vf s = VF_MUL(scale, VF_SET1(a->d[at]));                               \
@@ -530,64 +546,115 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
         }                                                                                  \
     }
 
-/* RB activation rows against tiles t0..t1 of a KIND_Q5K or KIND_Q6K matrix: unsigned
- * byte weights, half a group (16 inputs) at a time. Q6_K: each half's integer sum less
- * 32 times its activations' sum (q - 32, exactly), times d * sc of that half; Q5_K:
- * the whole group's sum times d * sc, less dmin * m times the activations' sum. */
-#define DEFINE_K8(RB)                                                                      \
-    static void k8_rows_##RB(ROWS_ARGS) {                                                  \
-        const int groups = m->groups, in = m->in, six = m->kind == KIND_Q6K;              \
+/* Bit k of each byte of x moved to bit `to` (16-bit shifts: the bits a shift carries
+ * across a byte boundary are masked off by the caller). */
+#define MOVE_BIT(x, k, to)                                                                 \
+    ((to) > (k) ? VI_SHL16(x, (to) > (k) ? (to) - (k) : 0)                                 \
+                : ((to) < (k) ? VI_SHR16(x, (k) > (to) ? (k) - (to) : 0) : (x)))
+
+/* One sub-block's two nibble vectors with their high bits from the plane: lo (inputs
+ * 8b..8b+3) takes plane bit(s) from `lo_at`, hi (8b+4..8b+7) from `hi_at`, into bit 4
+ * up (mask 0x10 for one bit, 0x30 for two). */
+#define WITH_HIGH(packed, plane, lo_at, hi_at, mask, lo, hi)                               \
+    do {                                                                                   \
+        lo = VI_OR(VI_AND(packed, low), VI_AND(MOVE_BIT(plane, lo_at, 4), mask));          \
+        hi = VI_OR(VI_AND(VI_SHR4(packed), low), VI_AND(MOVE_BIT(plane, hi_at, 4), mask)); \
+    } while (0)
+
+/* lo and hi of sub-block b (inputs 8b..) against RB rows' activation bytes, the
+ * products widened to 32 bits at once (weights up to 63). */
+#define WIDE_DOTS(RB, b, lo, hi)                                                           \
+    for (int r = 0; r < RB; r++) {                                                         \
+        size_t at = (size_t)(r0 + r) * in + g * GROUP + 8 * (b);                           \
+        high_sum[r] = DOT_U8(high_sum[r], lo, VI_BCAST32(a->c + at));                      \
+        high_sum[r] = DOT_U8(high_sum[r], hi, VI_BCAST32(a->c + at + 4));                  \
+        low_sum[r] = DOT_U8(low_sum[r], lo, VI_BCAST32(a->c2 + at));                       \
+        low_sum[r] = DOT_U8(low_sum[r], hi, VI_BCAST32(a->c2 + at + 4));                   \
+    }
+
+/* RB activation rows against tiles t0..t1 of a KIND_Q5K matrix: nibbles plus a plane of
+ * fifth bits (bit 2b + h of byte 4 o + j: input 8b + 4h + j), the scales as Q4_K's. */
+#define DEFINE_Q5K(RB)                                                                     \
+    static void q5k_rows_##RB(ROWS_ARGS) {                                                 \
+        const vi low = VI_SET1B(0x0F), bit = VI_SET1B(0x10);                               \
+        const int groups = m->groups, in = m->in;                                         \
         for (int t = t0; t < t1; t++) {                                                    \
             const uint8_t *p = m->data + (size_t)t * tile_bytes(m);                        \
+            const uint8_t *header = p;                                                     \
             vf acc[RB], d = VF_ZERO(), dmin = VF_ZERO();                                   \
             for (int r = 0; r < RB; r++) acc[r] = VF_ZERO();                               \
             for (int g = 0; g < groups; g++) {                                             \
                 if (g % 8 == 0) {                                                          \
+                    header = p;                                                            \
+                    PREFETCH_SPAN(p, HEADER * TILE);                                       \
                     d = VF_HALF(p);                                                        \
                     dmin = VF_HALF(p + 2 * TILE);                                          \
-                    p += 4 * TILE;                                                         \
+                    p += HEADER * TILE;                                                    \
                 }                                                                          \
-                const uint8_t *scales = p + 32 * TILE;                                     \
-                vi whole[RB];                                                              \
-                for (int half = 0; half < 2; half++) {                                     \
+                PREFETCH_SPAN(p, 20 * TILE);                                               \
+                vi plane = VI_LOAD(p + 16 * TILE), lo, hi;                                 \
+                vi high_sum[RB], low_sum[RB];                                              \
+                for (int r = 0; r < RB; r++) high_sum[r] = low_sum[r] = VI_ZERO();         \
+                WITH_HIGH(VI_LOAD(p), plane, 0, 1, bit, lo, hi);                           \
+                WIDE_DOTS(RB, 0, lo, hi)                                                   \
+                WITH_HIGH(VI_LOAD(p + 4 * TILE), plane, 2, 3, bit, lo, hi);                \
+                WIDE_DOTS(RB, 1, lo, hi)                                                   \
+                WITH_HIGH(VI_LOAD(p + 8 * TILE), plane, 4, 5, bit, lo, hi);                \
+                WIDE_DOTS(RB, 2, lo, hi)                                                   \
+                WITH_HIGH(VI_LOAD(p + 12 * TILE), plane, 6, 7, bit, lo, hi);               \
+                WIDE_DOTS(RB, 3, lo, hi)                                                   \
+                p += 20 * TILE;                                                            \
+                const uint8_t *sc = header + (4 + g % 8) * TILE;                           \
+                vf scale = VF_MUL(d, VF_U8(sc)), minimum = VF_MUL(dmin, VF_U8(sc + 8 * TILE)); \
+                for (int r = 0; r < RB; r++) {                                             \
+                    int at = (r0 + r) * groups + g;                                        \
+                    vf s = VF_MUL(scale, VF_SET1(a->d[at]));                               \
+                    acc[r] = VF_FMA(VF_CVT(VI_JOIN(high_sum[r], low_sum[r])), s, acc[r]);  \
+                    acc[r] = VF_FNMA(minimum, VF_SET1(a->dsum[at]), acc[r]);               \
+                }                                                                          \
+            }                                                                              \
+            store_rows(m, acc, RB, y, r0, stride, col, t);                                 \
+        }                                                                                  \
+    }
+
+/* RB activation rows against tiles t0..t1 of a KIND_Q6K matrix: nibbles plus two planes
+ * of the two high bits (plane v, for inputs 16v..16v+15: bits 2(2s + h) of byte
+ * 4 o + j for input 16v + 8s + 4h + j), half a group at a time: its integer sum less
+ * 32 times its activations' sum (q - 32, exactly), times d * sc of that half. */
+#define DEFINE_Q6K(RB)                                                                     \
+    static void q6k_rows_##RB(ROWS_ARGS) {                                                 \
+        const vi low = VI_SET1B(0x0F), bits = VI_SET1B(0x30);                              \
+        const int groups = m->groups, in = m->in;                                         \
+        for (int t = t0; t < t1; t++) {                                                    \
+            const uint8_t *p = m->data + (size_t)t * tile_bytes(m);                        \
+            const uint8_t *header = p;                                                     \
+            vf acc[RB], d = VF_ZERO();                                                     \
+            for (int r = 0; r < RB; r++) acc[r] = VF_ZERO();                               \
+            for (int g = 0; g < groups; g++) {                                             \
+                if (g % 8 == 0) {                                                          \
+                    header = p;                                                            \
+                    PREFETCH_SPAN(p, HEADER * TILE);                                       \
+                    d = VF_HALF(p);                                                        \
+                    p += HEADER * TILE;                                                    \
+                }                                                                          \
+                PREFETCH_SPAN(p, 24 * TILE);                                               \
+                for (int v = 0; v < 2; v++) {                                              \
+                    vi plane = VI_LOAD(p + 16 * TILE + v * 4 * TILE), lo, hi;              \
                     vi high_sum[RB], low_sum[RB];                                          \
                     for (int r = 0; r < RB; r++) high_sum[r] = low_sum[r] = VI_ZERO();     \
-                    for (int b = 0; b < 4; b++) {                                          \
-                        _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);             \
-                        vi w = VI_LOAD(p);                                                 \
-                        for (int r = 0; r < RB; r++) {                                     \
-                            size_t at = (size_t)(r0 + r) * in + g * GROUP + 16 * half + 4 * b; \
-                            high_sum[r] = DOT_U8(high_sum[r], w, VI_BCAST32(a->c + at));   \
-                            low_sum[r] = DOT_U8(low_sum[r], w, VI_BCAST32(a->c2 + at));    \
-                        }                                                                  \
-                        p += 4 * TILE;                                                     \
-                    }                                                                      \
-                    if (six) {                                                             \
-                        vf scale = VF_MUL(d, VF_S8(scales + half * TILE));                 \
-                        for (int r = 0; r < RB; r++) {                                     \
-                            int at = (r0 + r) * groups + g;                                \
-                            vi sum = VI_SUB(VI_JOIN(high_sum[r], low_sum[r]),              \
-                                            VI_SET1(32 * a->csum16[2 * at + half]));       \
-                            vf s = VF_MUL(scale, VF_SET1(a->d[at]));                       \
-                            acc[r] = VF_FMA(VF_CVT(sum), s, acc[r]);                       \
-                        }                                                                  \
-                    } else {                                                               \
-                        for (int r = 0; r < RB; r++) {                                     \
-                            vi sum = VI_JOIN(high_sum[r], low_sum[r]);                     \
-                            whole[r] = half ? VI_ADD(whole[r], sum) : sum;                 \
-                        }                                                                  \
-                    }                                                                      \
-                }                                                                          \
-                if (!six) {                                                                \
-                    vf scale = VF_MUL(d, VF_U8(scales)), minimum = VF_MUL(dmin, VF_U8(scales + 2 * TILE)); \
+                    WITH_HIGH(VI_LOAD(p + 8 * v * TILE), plane, 0, 2, bits, lo, hi);       \
+                    WIDE_DOTS(RB, 2 * v, lo, hi)                                           \
+                    WITH_HIGH(VI_LOAD(p + (8 * v + 4) * TILE), plane, 4, 6, bits, lo, hi); \
+                    WIDE_DOTS(RB, 2 * v + 1, lo, hi)                                       \
+                    vf scale = VF_MUL(d, VF_S8(header + (4 + 2 * (g % 8) + v) * TILE));    \
                     for (int r = 0; r < RB; r++) {                                         \
                         int at = (r0 + r) * groups + g;                                    \
-                        vf s = VF_MUL(scale, VF_SET1(a->d[at]));                           \
-                        acc[r] = VF_FMA(VF_CVT(whole[r]), s, acc[r]);                      \
-                        acc[r] = VF_FNMA(minimum, VF_SET1(a->dsum[at]), acc[r]);           \
+                        vi sum = VI_SUB(VI_JOIN(high_sum[r], low_sum[r]),                  \
+                                        VI_SET1(32 * a->csum16[2 * at + v]));              \
+                        acc[r] = VF_FMA(VF_CVT(sum), VF_MUL(scale, VF_SET1(a->d[at])), acc[r]); \
                     }                                                                      \
                 }                                                                          \
-                p += 3 * TILE;                                                             \
+                p += 24 * TILE;                                                            \
             }                                                                              \
             store_rows(m, acc, RB, y, r0, stride, col, t);                                 \
         }                                                                                  \
@@ -613,8 +680,9 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
         }                                                                                  \
     }
 
-#define DEFINE_ALL(RB) DEFINE_Q4(RB) DEFINE_Q8(RB) DEFINE_Q4K(RB) DEFINE_K8(RB) DEFINE_F16(RB)
-#define KERNELS(RB) {q4_rows_##RB, q8_rows_##RB, q4k_rows_##RB, k8_rows_##RB, k8_rows_##RB, \
+#define DEFINE_ALL(RB) \
+    DEFINE_Q4(RB) DEFINE_Q8(RB) DEFINE_Q4K(RB) DEFINE_Q5K(RB) DEFINE_Q6K(RB) DEFINE_F16(RB)
+#define KERNELS(RB) {q4_rows_##RB, q8_rows_##RB, q4k_rows_##RB, q5k_rows_##RB, q6k_rows_##RB, \
                      f16_rows_##RB, f16_rows_##RB}
 
 /* Rows per pass: as many as the vector registers hold. */
@@ -701,14 +769,17 @@ static inline float half_at(const uint8_t *p) {
 static void unpack_row(const Mat *m, int64_t row, float *out) {
     const int o = (int)(row % TILE), k = m->kind;
     const uint8_t *p = m->data + (size_t)(row / TILE) * tile_bytes(m);
+    const uint8_t *header = p;
     float d = 0.0f, dmin = 0.0f;
     for (int g = 0; g < m->groups; g++) {
         float *w = out + g * GROUP;
         if ((k == KIND_Q4K || k == KIND_Q5K || k == KIND_Q6K) && g % 8 == 0) {
+            header = p;
             d = half_at(p + 2 * o);
             dmin = half_at(p + 2 * TILE + 2 * o);
-            p += 4 * TILE;
+            p += HEADER * TILE;
         }
+        const uint8_t *sc = header + (4 + g % 8) * TILE + o, *mins = sc + 8 * TILE;
         if (k == KIND_Q4 || k == KIND_Q4K) {
             for (int b = 0; b < 4; b++)
                 for (int j = 0; j < 4; j++) {
@@ -721,9 +792,9 @@ static void unpack_row(const Mat *m, int64_t row, float *out) {
                 for (int i = 0; i < GROUP; i++) w[i] = w[i] * scale + low;
                 p += 20 * TILE;
             } else {
-                float scale = d * (float)p[16 * TILE + o], low = dmin * (float)p[17 * TILE + o];
+                float scale = d * (float)*sc, low = dmin * (float)*mins;
                 for (int i = 0; i < GROUP; i++) w[i] = scale * w[i] - low;
-                p += 18 * TILE;
+                p += 16 * TILE;
             }
         } else if (k == KIND_Q8) {
             float scale = half_at(p + 32 * TILE + 2 * o);
@@ -731,15 +802,21 @@ static void unpack_row(const Mat *m, int64_t row, float *out) {
                 for (int j = 0; j < 4; j++) w[4 * b + j] = scale * (float)(int8_t)p[b * 4 * TILE + 4 * o + j];
             p += 34 * TILE;
         } else if (k == KIND_Q5K || k == KIND_Q6K) {
-            const uint8_t *scales = p + 32 * TILE;
-            for (int i = 0; i < GROUP; i++) {
-                float q = (float)p[(i / 4) * 4 * TILE + 4 * o + i % 4];
-                if (k == KIND_Q6K)
-                    w[i] = (d * (float)(int8_t)scales[(i / 16) * TILE + o]) * (q - 32.0f);
-                else
-                    w[i] = (d * (float)scales[o]) * q - dmin * (float)scales[2 * TILE + o];
+            for (int i = 0; i < GROUP; i++) { /* input i = 8b + 4h + j */
+                int b = i / 8, h = (i / 4) % 2, j = i % 4;
+                uint8_t byte = p[b * 4 * TILE + 4 * o + j];
+                int q = h ? byte >> 4 : byte & 15;
+                if (k == KIND_Q5K) {
+                    q |= ((p[16 * TILE + 4 * o + j] >> (2 * b + h)) & 1) << 4;
+                    w[i] = (d * (float)*sc) * (float)q - dmin * (float)*mins;
+                } else {
+                    int v = b / 2, s = b % 2;
+                    q |= ((p[16 * TILE + v * 4 * TILE + 4 * o + j] >> (2 * (2 * s + h))) & 3) << 4;
+                    int8_t half = (int8_t)header[(4 + 2 * (g % 8) + v) * TILE + o];
+                    w[i] = (d * (float)half) * (float)(q - 32);
+                }
             }
-            p += 35 * TILE;
+            p += (k == KIND_Q5K ? 20 : 24) * TILE;
         } else {
             for (int i = 0; i < GROUP; i++) {
                 const uint8_t *v = p + (size_t)(i * TILE + o) * 2;
