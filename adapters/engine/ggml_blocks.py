@@ -66,7 +66,9 @@ def tile_bytes(kind: str, cols: int, tile: int) -> int:
 PACK_ROWS = 4096
 
 
-def pack_blocks(type_name: str, raw: Any, rows: int, cols: int, tile: int) -> tuple[torch.Tensor, str]:
+def pack_blocks(
+    type_name: str, raw: Any, rows: int, cols: int, tile: int
+) -> tuple[torch.Tensor, str]:
     """A GGUF tensor's data as shipped ([rows] rows of blocks; any numpy view of its
     bytes) -> (the tiles of its kind, uint8 [tiles, tile_bytes], and the kind)."""
     kind, block, per_block = SHIPPED[type_name]
@@ -82,7 +84,9 @@ def pack_blocks(type_name: str, raw: Any, rows: int, cols: int, tile: int) -> tu
         padded = np.zeros((count * tile, data.shape[1]), dtype=np.uint8)
         padded[: part.shape[0]] = part  # zero rows: zero scales, zero weights
         blocks = torch.from_numpy(padded).view(count * tile, cols // per_block, block)
-        out[first // tile : first // tile + count] = _LAYOUTS[type_name](blocks, tile).reshape(count, -1)
+        out[first // tile : first // tile + count] = _LAYOUTS[type_name](blocks, tile).reshape(
+            count, -1
+        )
     return out, kind
 
 
@@ -192,9 +196,11 @@ def _plane(high: torch.Tensor, tile: int, width: int) -> torch.Tensor:
     8s + 4h + j of those, as native.c's q5k and q6k kernels read them."""
     rows, groups, _ = high.shape
     spans = 4 // width  # sub-blocks of 8 inputs a plane covers
-    h = high.reshape(rows, groups, width, spans, 2, 4).to(torch.int32)
-    shifts = (torch.arange(2 * spans, dtype=torch.int32) * width).view(spans, 2, 1)
-    byte = (h << shifts).sum(dim=(3, 4)).to(torch.uint8)  # [rows, groups, width, 4]
+    h = high.reshape(rows, groups, width, spans, 2, 4)
+    byte = torch.zeros(rows, groups, width, 4, dtype=torch.uint8)
+    for s in range(spans):
+        for half in range(2):
+            byte |= h[:, :, :, s, half] << (width * (2 * s + half))
     planes = _per_row(byte.reshape(rows, groups * width, 4), tile)
     return planes.reshape(rows // tile, groups, 4 * width * tile)
 

@@ -19,21 +19,24 @@
  * and the same on AVX2 and AVX-512 machines.
  *
  * Per tile, for each group of 32 inputs (and for the K kinds, a header before each
- * super-block of 8 groups: TILE fp16 d, then TILE fp16 dmin):
+ * super-block of 8 groups, HEADER*TILE bytes: TILE fp16 d, TILE fp16 dmin, then per group
+ * TILE scales and (Q4_K, Q5_K) TILE minimums, or (Q6_K) per half group TILE scales):
  * - KIND_Q4 (Q4_0, Q4_1, fencepost's 4-bit): four sub-blocks of TILE*4 bytes (sub-block
  *   b covers inputs 8b..8b+7: byte 4*o + j holds input 8b+j of row o in its low nibble
  *   and input 8b+4+j in its high nibble), TILE fp16 scales, TILE fp16 minimums: 20*TILE
  *   bytes for 32*TILE weights.
  * - KIND_Q8 (Q8_0): eight sub-blocks of TILE*4 signed bytes (inputs 4b..4b+3), TILE
  *   fp16 scales: 34*TILE bytes.
- * - KIND_Q4K (Q4_K): the four nibble sub-blocks as KIND_Q4, then TILE 6-bit scales sc
- *   and TILE 6-bit minimums m as bytes: W = (d * sc) * q - dmin * m. 4.625 bits a weight.
- * - KIND_Q5K, KIND_Q6K (Q5_K, Q6_K): eight sub-blocks of TILE*4 unsigned bytes (q, as
- *   KIND_Q8's order), then TILE scales for inputs 0..15, TILE for 16..31 (Q6_K's signed
- *   per-16 scales; Q5_K's one scale twice), TILE minimums: 35*TILE bytes. Q5_K: W =
- *   (d * sc) * q - dmin * m; Q6_K: W = (d * sc) * (q - 32). 8.875 bits a weight: the
- *   bytes stay whole, so these read more than the file holds (6.56 and 5.5 bits).
+ * - KIND_Q4K (Q4_K): the four nibble sub-blocks as KIND_Q4 (16*TILE bytes); the
+ *   header's 6-bit sc and m as bytes: W = (d * sc) * q - dmin * m. 4.625 bits a weight.
+ * - KIND_Q5K (Q5_K): the nibbles, then a plane of fifth bits (TILE*4 bytes: bit 2b + h
+ *   of byte 4*o + j for input 8b + 4h + j), scales as Q4_K's. 5.625 bits a weight.
+ * - KIND_Q6K (Q6_K): the nibbles, then two planes of the two high bits (plane v for
+ *   inputs 16v..16v+15: bits 2(2s + h) of byte 4*o + j for input 16v + 8s + 4h + j);
+ *   W = (d * sc) * (q - 32) with the signed scale of each half group. 6.625 bits.
  * - KIND_F16, KIND_BF16: for each input of the group, TILE 16-bit values: 64*TILE bytes.
+ * Every K-kind group is a whole number of cache lines (a 288-byte group split half its
+ * loads across two lines: 1.5x slower at 16 rows).
  * A matrix may continue into another (`next`, of any kind, with the same inputs): one
  * product computes both, the second's outputs after the first's (q, k and v of a layer
  * are three GGUF tensors, each of its own type). `scale` multiplies a matrix's outputs

@@ -806,6 +806,7 @@ def _load(
             del embed
         final = norm(names.final_norm)
         assert final is not None
+        return_freed_heap()
         layers = []
         for layer, where in zip(spec.layers, names.layers, strict=False):
             attention, residual = layer.attention, spec.residual_scale
@@ -863,5 +864,6 @@ def _load(
                     k_norm=k_norm,
                 )
             )
+            return_freed_heap()  # each layer's temporaries, before the next layer's
     sources = packer.sources if packer is not None else Counter()
     return table, final, lm_head, layers, sources
