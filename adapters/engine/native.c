@@ -35,8 +35,8 @@
  *   inputs 16v..16v+15: bits 2(2s + h) of byte 4*o + j for input 16v + 8s + 4h + j);
  *   W = (d * sc) * (q - 32) with the signed scale of each half group. 6.625 bits.
  * - KIND_F16, KIND_BF16: for each input of the group, TILE 16-bit values: 64*TILE bytes.
- * Every K-kind group is a whole number of cache lines (a 288-byte group split half its
- * loads across two lines: 1.5x slower at 16 rows).
+ * Every K-kind group is a whole number of cache lines (with 288-byte groups, half their
+ * loads across two lines, Q4_K ran 1.5x slower at 16 rows).
  * A matrix may continue into another (`next`, of any kind, with the same inputs): one
  * product computes both, the second's outputs after the first's (q, k and v of a layer
  * are three GGUF tensors, each of its own type). `scale` multiplies a matrix's outputs
@@ -70,7 +70,7 @@
 #define GROUP 32
 /* A K kind's super-block header, in units of TILE bytes: d, dmin, then the eight groups'
  * scales and minimums (Q6_K: sixteen half-group scales), so that every group's quants
- * are whole cache lines (a group of 288 bytes split half its loads, 1.5x slower). */
+ * are whole cache lines. */
 #define HEADER 20
 /* Weights stream through each product once a step; asking for the bytes 8 KiB ahead
  * of the loads made a one-row step 10% faster here (2 and 4 KiB: no gain; 16 and 32
