@@ -263,3 +263,58 @@ def test_packing_in_parts_of_rows_gives_the_same_bytes(monkeypatch: pytest.Monke
     monkeypatch.setattr(ggml_blocks, "PACK_ROWS", 32)  # 4 parts, the last partial
     parts, _ = pack_blocks("Q6_K", raw, 100, 256, 16)
     assert torch.equal(parts, whole)
+
+
+def tiny_phi3_gguf(path: Path) -> Any:
+    """A tiny Phi-3 GGUF: q|k|v and gate|up each one tensor, as llama.cpp writes them."""
+    from transformers import Phi3Config
+
+    hidden, inter, heads, kv_heads, vocab = 256, 512, 4, 2, 300
+    config = Phi3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                        num_hidden_layers=2, num_attention_heads=heads,
+                        num_key_value_heads=kv_heads, max_position_embeddings=128,
+                        original_max_position_embeddings=128, tie_word_embeddings=False,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    rng = np.random.default_rng(1)
+    qkv_rows = (heads + 2 * kv_heads) * hidden // heads
+
+    def matrix(name: str, type_name: str, rows: int, cols: int) -> None:
+        raw = random_blocks(type_name, rows, cols, seed=int(rng.integers(1 << 30)))
+        writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[type_name])
+
+    def norm(name: str) -> None:
+        writer.add_tensor(name, (1 + 0.2 * rng.standard_normal(hidden)).astype(np.float32))
+
+    matrix("token_embd.weight", "Q4_K", vocab, hidden)
+    for layer, qkv_type in enumerate(("Q4_K", "Q6_K")):
+        norm(f"blk.{layer}.attn_norm.weight")
+        norm(f"blk.{layer}.ffn_norm.weight")
+        matrix(f"blk.{layer}.attn_qkv.weight", qkv_type, qkv_rows, hidden)
+        matrix(f"blk.{layer}.attn_output.weight", "Q4_K", hidden, hidden)
+        matrix(f"blk.{layer}.ffn_up.weight", "Q4_K", 2 * inter, hidden)
+        matrix(f"blk.{layer}.ffn_down.weight", "Q6_K", hidden, inter)
+    norm("output_norm.weight")
+    matrix("output.weight", "Q6_K", vocab, hidden)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return config
+
+
+def test_a_fused_qkv_tensor_keeps_its_blocks_with_the_scale_on_q_alone(tmp_path: Path) -> None:
+    from adapters.engine.runner import Runner
+
+    path = tmp_path / "phi3.gguf"
+    config = tiny_phi3_gguf(path)
+    prompt = torch.tensor([3, 141, 59, 26, 5, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 7])
+    shipped_runner = Runner(loaded_gguf(path, config), 8, 16, 64, "w4a16")
+    assert set(shipped_runner.weight_sources) == {"Q4_K as shipped", "Q6_K as shipped"}
+    qkv = shipped_runner.layers[0].qkv
+    scale = shipped_runner.spec.layers[0].attention.scale
+    assert [part.scale for part in qkv.parts] == [scale, 1.0]  # type: ignore[attr-defined]
+    got = shipped_runner.prefill([0, 1], 0, prompt, every_position=True)
+    fp32 = Runner(loaded_gguf(path, config), 8, 16, 64, "fp32").prefill([0, 1], 0, prompt, True)
+    assert float((got - fp32).norm() / fp32.norm()) < 2e-3
+    assert torch.equal(got.argmax(dim=-1), fp32.argmax(dim=-1))

@@ -735,6 +735,26 @@ class _Shipped:
         ]
         return NativeProduct(library=self.library, parts=parts)
 
+    def fused_qkv(self, name: str, q_size: int, q_scale: float) -> NativeProduct:
+        """A q|k|v matrix shipped as one tensor (Phi-3's), with the attention scale on q's
+        rows only: two parts over the same tiles, split where q's rows end (a whole tile,
+        as a head's rows are), or else requantised with the scale in the weights."""
+        from adapters.engine.native import NativeProduct, quantized_part
+
+        part, tile = self.part(name, 4), self.library.tile
+        if q_size % tile == 0 and part.source.endswith("as shipped"):
+            q_tiles = q_size // tile
+            q = replace(part, packed=part.packed[:q_tiles], out_features=q_size, scale=q_scale)
+            rest = part.out_features - q_size
+            kv = replace(part, packed=part.packed[q_tiles:], out_features=rest)
+            return NativeProduct(library=self.library, parts=[q, kv])
+        weight = self.checkpoint.tensor(name).float()
+        weight = torch.cat([weight[:q_size] * q_scale, weight[q_size:]])
+        folded = replace(quantized_part(weight, 4, tile), source=f"{part.source}, requantised")
+        self.sources[part.source] -= 1
+        self.sources[folded.source] += 1
+        return NativeProduct(library=self.library, parts=[folded])
+
     def embedding(self, name: str, scale: float, head_name: str) -> torch.Tensor | NativeProduct:
         """The embedding table: packed as shipped (shared with a tied head) where its
         type runs so, else fp32 rows as the other formats keep it."""
@@ -826,11 +846,13 @@ def _load(
             gate_up_bias = rows(where.gate_up_bias).to(state) if where.gate_up_bias else None
             products: tuple[Projection, Projection, Projection, Projection]
             if packer is not None:  # each tensor as shipped, scales on the outputs
-                if len(where.qkv) != 3 and q_scale != 1.0:
-                    raise CheckpointError("a fused q|k|v tensor with a scale on q only")
-                qkv_scales = [q_scale, 1.0, 1.0] if len(where.qkv) == 3 else [1.0]
+                if len(where.qkv) == 1 and q_scale != 1.0:
+                    qkv_product = packer.fused_qkv(where.qkv[0], q_size, q_scale)
+                else:
+                    scales = [q_scale] + [1.0] * (len(where.qkv) - 1)
+                    qkv_product = packer.product(where.qkv, scales)
                 products = (
-                    packer.product(where.qkv, qkv_scales),
+                    qkv_product,
                     packer.product([where.o], [residual]),
                     packer.product(where.gate_up, [1.0] * len(where.gate_up)),
                     packer.product([where.down], [residual]),
