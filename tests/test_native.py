@@ -23,20 +23,9 @@ from adapters.engine.native import (
     unpack,
 )
 from adapters.engine.runner import Runner
+from tests.conftest import native_library
 from tests.test_engine import PROMPTS, tiny_llama
 from tests.tiny_models import loaded_of
-
-
-def _library(isa: str) -> Library:
-    try:
-        return load(isa)
-    except NativeUnavailable as error:
-        pytest.skip(f"{isa}: {error}")
-
-
-@pytest.fixture(scope="module", params=list(ISAS))
-def library(request: pytest.FixtureRequest) -> Library:
-    return _library(request.param)
 
 
 def reference(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +99,7 @@ def test_a_row_is_computed_the_same_alone_and_in_any_batch(library: Library, bit
 
 
 def test_the_avx512_and_avx2_builds_agree_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
-    wide, narrow = _library("avx512"), _library("avx2")
+    wide, narrow = native_library("avx512"), native_library("avx2")
     torch.manual_seed(5)
     for bits in (4, 8):
         weight, x = torch.randn(100, 128) * 0.05, torch.randn(9, 128)

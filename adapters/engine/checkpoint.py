@@ -192,20 +192,25 @@ class GgufCheckpoint:
         type_name, data, shape = self.quantized(name)
         if len(shape) != 2:
             raise CheckpointError(f"{self.source}: {name!r} is not a matrix")
-        config = self._config
-        if self.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
-            from adapters.engine.ggml_blocks import permute_rows
-
-            heads = int(config.num_attention_heads)
-            if ".k_proj." in name:
-                heads = int(getattr(config, "num_key_value_heads", None) or heads)
-            data = permute_rows(data, heads)
+        heads = self._permuted_heads(name)
+        if heads is not None:
+            data = _unpermute(data, heads)
         return type_name, data, (shape[0], shape[1])
 
     def done_with(self, name: str) -> None:
         """A tensor read through `blocks` is packed: its pages leave the resident set."""
         tensor = self._tensors[self._require(name)]
         self._drop_pages(int(tensor.data_offset), int(tensor.n_bytes))
+
+    def _permuted_heads(self, name: str) -> int | None:
+        """The heads whose rotary halves llama.cpp's converter interleaved in this
+        tensor's rows (llama's q and k), or None where the rows are as Hugging Face's."""
+        if self.architecture != "llama" or not (".q_proj." in name or ".k_proj." in name):
+            return None
+        heads = int(self._config.num_attention_heads)
+        if ".k_proj." in name:
+            heads = int(getattr(self._config, "num_key_value_heads", None) or heads)
+        return heads
 
     def _require(self, name: str) -> str:
         found = self._gguf_name(name)
@@ -230,11 +235,8 @@ class GgufCheckpoint:
                     part.shape[0], -1
                 )
         self._drop_pages(int(tensor.data_offset), int(tensor.n_bytes))
-        config = self._config
-        if self.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
-            heads = int(config.num_attention_heads)
-            if ".k_proj." in name:
-                heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        heads = self._permuted_heads(name)
+        if heads is not None:
             out = _unpermute(out, heads)
         if self.architecture.startswith("gemma") and name.endswith("norm.weight"):
             out = out - 1.0
@@ -246,8 +248,9 @@ class GgufCheckpoint:
 DEQUANTIZE_ROWS = 4096
 
 
-def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's converter interleaves each head's rotary halves; put them back."""
+def _unpermute(weight: Any, heads: int) -> Any:
+    """llama.cpp's converter interleaves each head's rotary halves; put them back. The
+    rows may be floats (a torch tensor) or blocks as shipped (a numpy array of bytes)."""
     rows = weight.shape[0]
     return (
         weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:])

@@ -248,15 +248,3 @@ _LAYOUTS = {
     "F16": _sixteen,
     "BF16": _sixteen,
 }
-
-
-def permute_rows(raw: Any, heads: int) -> Any:
-    """llama.cpp's converter interleaves each head's rotary halves in q and k; the rows
-    of blocks go back as checkpoint._unpermute puts back the float rows."""
-    data = np.asarray(raw)
-    rows = data.shape[0]
-    return (
-        data.reshape(heads, rows // heads // 2, 2, *data.shape[1:])
-        .swapaxes(2, 1)
-        .reshape(data.shape)
-    )

@@ -451,6 +451,19 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
         p += 4 * TILE;                                                                     \
     }
 
+/* At each super-block of a K kind (group g, tile pointer p): its header, read into d
+ * and dmin, `header` left pointing at it for the groups' scales, p moved past it. */
+#define K_HEADER()                                                                         \
+    do {                                                                                   \
+        if (g % 8 == 0) {                                                                  \
+            header = p;                                                                    \
+            PREFETCH_SPAN(p, HEADER * TILE);                                               \
+            d = VF_HALF(p);                                                                \
+            dmin = VF_HALF(p + 2 * TILE);                                                  \
+            p += HEADER * TILE;                                                            \
+        }                                                                                  \
+    } while (0)
+
 #define ROWS_ARGS                                                                          \
     const Mat *m, const Act *a, int r0, float *y, int stride, int col, int t0, int t1
 
@@ -492,13 +505,7 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
             vf acc[RB], d = VF_ZERO(), dmin = VF_ZERO();                                   \
             for (int r = 0; r < RB; r++) acc[r] = VF_ZERO();                               \
             for (int g = 0; g < groups; g++) {                                             \
-                if (g % 8 == 0) {                                                          \
-                    header = p;                                                            \
-                    PREFETCH_SPAN(p, HEADER * TILE);                                       \
-                    d = VF_HALF(p);                                                        \
-                    dmin = VF_HALF(p + 2 * TILE);                                          \
-                    p += HEADER * TILE;                                                    \
-                }                                                                          \
+                K_HEADER();                                                                \
                 vi high_sum[RB], low_sum[RB];                                              \
                 NIBBLE_DOTS(RB)                                                            \
                 const uint8_t *sc = header + (4 + g % 8) * TILE;                           \
@@ -587,13 +594,7 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
             vf acc[RB], d = VF_ZERO(), dmin = VF_ZERO();                                   \
             for (int r = 0; r < RB; r++) acc[r] = VF_ZERO();                               \
             for (int g = 0; g < groups; g++) {                                             \
-                if (g % 8 == 0) {                                                          \
-                    header = p;                                                            \
-                    PREFETCH_SPAN(p, HEADER * TILE);                                       \
-                    d = VF_HALF(p);                                                        \
-                    dmin = VF_HALF(p + 2 * TILE);                                          \
-                    p += HEADER * TILE;                                                    \
-                }                                                                          \
+                K_HEADER();                                                                \
                 PREFETCH_SPAN(p, 20 * TILE);                                               \
                 vi plane = VI_LOAD(p + 16 * TILE), lo, hi;                                 \
                 vi high_sum[RB], low_sum[RB];                                              \
@@ -631,15 +632,10 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
         for (int t = t0; t < t1; t++) {                                                    \
             const uint8_t *p = m->data + (size_t)t * tile_bytes(m);                        \
             const uint8_t *header = p;                                                     \
-            vf acc[RB], d = VF_ZERO();                                                     \
+            vf acc[RB], d = VF_ZERO(), dmin = VF_ZERO(); /* dmin: read, not used */        \
             for (int r = 0; r < RB; r++) acc[r] = VF_ZERO();                               \
             for (int g = 0; g < groups; g++) {                                             \
-                if (g % 8 == 0) {                                                          \
-                    header = p;                                                            \
-                    PREFETCH_SPAN(p, HEADER * TILE);                                       \
-                    d = VF_HALF(p);                                                        \
-                    p += HEADER * TILE;                                                    \
-                }                                                                          \
+                K_HEADER();                                                                \
                 PREFETCH_SPAN(p, 24 * TILE);                                               \
                 for (int v = 0; v < 2; v++) {                                              \
                     vi plane = VI_LOAD(p + 16 * TILE + v * 4 * TILE), lo, hi;              \
@@ -659,6 +655,7 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
                 }                                                                          \
                 p += 24 * TILE;                                                            \
             }                                                                              \
+            (void)dmin;                                                                    \
             store_rows(m, acc, RB, y, r0, stride, col, t);                                 \
         }                                                                                  \
     }
