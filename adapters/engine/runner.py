@@ -737,23 +737,18 @@ class _Shipped:
 
     def fused_qkv(self, name: str, q_size: int, q_scale: float) -> NativeProduct:
         """A q|k|v matrix shipped as one tensor (Phi-3's), with the attention scale on q's
-        rows only: two parts over the same tiles, split where q's rows end (a whole tile,
-        as a head's rows are), or else requantised with the scale in the weights."""
-        from adapters.engine.native import NativeProduct, quantized_part
+        rows only: two parts over the same tiles (as shipped or requantised alike), split
+        where q's rows end. That is a whole tile: the fused pass takes only head sizes
+        that are multiples of 16 (native.model_problem)."""
+        from adapters.engine.native import NativeProduct
 
         part, tile = self.part(name, 4), self.library.tile
-        if q_size % tile == 0 and part.source.endswith("as shipped"):
-            q_tiles = q_size // tile
-            q = replace(part, packed=part.packed[:q_tiles], out_features=q_size, scale=q_scale)
-            rest = part.out_features - q_size
-            kv = replace(part, packed=part.packed[q_tiles:], out_features=rest)
-            return NativeProduct(library=self.library, parts=[q, kv])
-        weight = self.checkpoint.tensor(name).float()
-        weight = torch.cat([weight[:q_size] * q_scale, weight[q_size:]])
-        folded = replace(quantized_part(weight, 4, tile), source=f"{part.source}, requantised")
-        self.sources[part.source] -= 1
-        self.sources[folded.source] += 1
-        return NativeProduct(library=self.library, parts=[folded])
+        if q_size % tile:
+            raise ValueError(f"q's {q_size} rows are not whole {tile}-row tiles")
+        q_tiles = q_size // tile
+        q = replace(part, packed=part.packed[:q_tiles], out_features=q_size, scale=q_scale)
+        kv = replace(part, packed=part.packed[q_tiles:], out_features=part.out_features - q_size)
+        return NativeProduct(library=self.library, parts=[q, kv])
 
     def embedding(self, name: str, scale: float, head_name: str) -> torch.Tensor | NativeProduct:
         """The embedding table: packed as shipped (shared with a tied head) where its
