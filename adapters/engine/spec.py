@@ -32,7 +32,7 @@ class Attention:
     heads: int
     kv_heads: int
     head_dim: int
-    scale: float  # multiplies q . k (folded into the query weights, or the q norm)
+    scale: float  # multiplies q . k (folded into q's weights or q norm; GGUF blocks: q's outputs)
     rotary: int | None = 0  # index into ModelSpec.rotaries; None: no rotary (NoPE)
     window: int | None = None  # a query sees the keys of its last `window` positions
     softcap: float | None = None  # scores become tanh(s / c) * c before the mask
