@@ -4,8 +4,10 @@ Builds random-weight models of real shapes on the device (no download):
 SmolLM2-135M, Llama-3.2-1B and Llama-3-8B, and of two other families, Qwen3-8B
 (per-head q/k norms, head size 128) and Gemma-3-4B (1 + w norms before and
 after each sublayer, a tanh-GELU gate, five windowed layers in six with their
-own rotary base, head size 256) (SHAPES below; plain rotary frequencies, which
-change no cost). On the first shape it checks:
+own rotary base, head size 256), and a mixture of experts, Qwen3-30B-A3B (128
+experts, 8 a token; `--shapes qwen3-30b-a3b`, not in the default list: 61 GB
+of bf16 to build) (SHAPES below; plain rotary frequencies, which change no
+cost). On the first shape it checks:
 
 - fp32 greedy of our Engine equals HF `generate` over 64 tokens, 4 prompts;
 - decode paths, bf16 greedy, 4 prompts together: the CUDA graphs' replay
@@ -122,7 +124,17 @@ SHAPES = {
                        config="Gemma3TextConfig",
                        extra=(("head_dim", 256), ("query_pre_attn_scalar", 256),
                               ("sliding_window", 1024), ("rope_local_base_freq", 10000.0))),
+    # A mixture: 128 experts of width 768, 8 a token (30.5B weights, 3.3B read a token).
+    "qwen3-30b-a3b": Shape("Qwen3-30B-A3B", 2048, 48, 32, 4, 6144, 151936, 1000000.0, False,
+                           config="Qwen3MoeConfig",
+                           extra=(("head_dim", 128), ("num_experts", 128),
+                                  ("num_experts_per_tok", 8), ("moe_intermediate_size", 768),
+                                  ("norm_topk_prob", True))),
     "tiny": Shape("tiny", 64, 2, 4, 2, 128, 49152, 10000.0, True),
+    "tiny-moe": Shape("tiny-moe", 64, 2, 4, 2, 128, 49152, 10000.0, True,
+                      config="Qwen3MoeConfig",
+                      extra=(("head_dim", 16), ("num_experts", 8), ("num_experts_per_tok", 2),
+                             ("moe_intermediate_size", 32), ("norm_topk_prob", True))),
 }  # fmt: skip
 SCALES = {"q_proj": 2.0, "k_proj": 2.0, "o_proj": 0.5, "down_proj": 0.5}  # build_model says why
 PROMPT_TOKENS = 40
@@ -223,8 +235,9 @@ def build_model(shape: Shape, device: torch.device, dtype: torch.dtype, seed: in
                 param.fill_(1.0)
             elif "embed_tokens" in name or "lm_head" in name:
                 param.normal_(0.0, 3.0 / math.sqrt(shape.hidden), generator=generator)
-            else:
-                scale = SCALES.get(name.split(".")[-2], 1.0) / math.sqrt(param.shape[1])
+            else:  # [out, in], or a mixture's experts stacked: [experts, out, in]
+                kind = name.split(".")[-1 if param.ndim == 3 else -2]
+                scale = SCALES.get(kind, 1.0) / math.sqrt(param.shape[-1])
                 param.normal_(0.0, scale, generator=generator)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
@@ -771,7 +784,8 @@ def speed(
                 model, engine = build_run(key, device, most, tokens, seed)
                 plist = prompts(most)
                 run = ShapeRun(key, model, engine, plist, tokens, budget, results)
-                bound = memory_bandwidth_gbs(device) * 1e9 / weight_bytes(model)
+                # what one row's step reads (of a mixture: the experts it picks)
+                bound = memory_bandwidth_gbs(device) * 1e9 / engine.runner.weight_bytes(rows=1)
                 run.table["batch-1 bandwidth bound"] = f"{bound:,.0f}"
         if run is None:
             return

@@ -1,4 +1,4 @@
-"""Write a random-weight Llama GGUF of a real shape, in llama.cpp's Q4_K_M mix.
+"""Write a random-weight Llama or Qwen3-MoE GGUF of a real shape, in llama.cpp's Q4_K_M mix.
 
 For measuring the loader and the engine at a size people serve without a
 download: the tokenizer, chat template and special tokens are the default
@@ -9,7 +9,16 @@ in the first and last eighth of the layers and every third one between;
 Q4_K elsewhere; norms F32). Random block bytes are valid weights: the scale
 fields are set to small half floats, the rest is uniform bytes.
 
+`--experts N` writes a Qwen3-MoE file instead (architecture qwen3moe): per
+layer q/k norms, an F32 router (ffn_gate_inp) and the experts stacked as
+llama.cpp stores them (ffn_gate_exps, ffn_up_exps [experts, ffn, hidden],
+ffn_down_exps), `--ffn` wide each, `--experts-used` a token. The router's
+weights are random normals, so tokens spread over the experts as a trained
+router's do.
+
     .venv/bin/python bench/random_gguf.py /tmp/tinyllama-shape.Q4_K_M.gguf
+    .venv/bin/python bench/random_gguf.py /tmp/moe.Q4_K_M.gguf --layers 16 --ffn 768 \
+        --experts 32 --experts-used 4
 """
 
 from __future__ import annotations
@@ -26,13 +35,17 @@ from adapters.engine.model import locate
 BLOCK = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}
 
 
-def blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+def blocks(
+    kind: str, rows: int, cols: int, rng: np.random.Generator, stack: int | None = None
+) -> np.ndarray:
+    """[rows, bytes] of random blocks, or [stack, rows, bytes] (experts stacked)."""
     size, scales = BLOCK[kind]
-    raw = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    lead = (rows,) if stack is None else (stack, rows)
+    raw = rng.integers(0, 256, (*lead, cols // 256, size), dtype=np.uint8)
     small = np.frombuffer(np.float16(2e-4).tobytes(), dtype=np.uint8)
     for at in scales:
-        raw[:, :, at : at + 2] = small
-    return raw.reshape(rows, -1)
+        raw[..., at : at + 2] = small
+    return raw.reshape(*lead, -1)
 
 
 def more_bits(layer: int, layers: int) -> bool:
@@ -48,48 +61,83 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=5632)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=None, help="default: hidden / heads")
+    parser.add_argument("--experts", type=int, default=0, help="a Qwen3-MoE file of N experts")
+    parser.add_argument("--experts-used", type=int, default=8)
     args = parser.parse_args()
     template = gguf.GGUFReader(str(locate(None).weights))
-    writer = gguf.GGUFWriter(str(args.path), "llama")
+    arch = "qwen3moe" if args.experts else "llama"
+    writer = gguf.GGUFWriter(str(args.path), arch)
+    head_dim = args.head_dim or args.hidden // args.heads
     sizes = {
-        "llama.block_count": args.layers,
-        "llama.embedding_length": args.hidden,
-        "llama.feed_forward_length": args.ffn,
-        "llama.attention.head_count": args.heads,
-        "llama.attention.head_count_kv": args.kv_heads,
-        "llama.rope.dimension_count": args.hidden // args.heads,
-        "llama.context_length": 2048,
+        f"{arch}.block_count": args.layers,
+        f"{arch}.embedding_length": args.hidden,
+        f"{arch}.feed_forward_length": args.ffn,
+        f"{arch}.attention.head_count": args.heads,
+        f"{arch}.attention.head_count_kv": args.kv_heads,
+        f"{arch}.rope.dimension_count": head_dim,
+        f"{arch}.context_length": 2048,
         "general.file_type": int(gguf.LlamaFileType.MOSTLY_Q4_K_M),
     }
+    if args.experts:
+        sizes |= {
+            f"{arch}.attention.key_length": head_dim,
+            f"{arch}.attention.value_length": head_dim,
+            f"{arch}.attention.layer_norm_rms_epsilon": 1e-6,
+            f"{arch}.rope.freq_base": 1e6,
+            f"{arch}.expert_count": args.experts,
+            f"{arch}.expert_used_count": args.experts_used,
+            f"{arch}.expert_feed_forward_length": args.ffn,
+        }
     for name, field in template.fields.items():
         if name.startswith("GGUF.") or name in ("general.architecture", "general.name"):
             continue
-        value = sizes.get(name, field.contents())
+        name = name.replace("llama.", f"{arch}.", 1)  # the template's, under our architecture
         kind = field.types[0]
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        if name in sizes:
+            value = sizes.pop(name)
+            kind = gguf.GGUFValueType.FLOAT32 if isinstance(value, float) else kind
+        else:
+            value = field.contents()
         writer.add_key_value(name, value, kind, sub_type=sub)
-    writer.add_string("general.name", f"random TinyLlama-1.1B shape, Q4_K_M ({args.layers} layers)")
+    for name, value in sizes.items():  # those the template does not have
+        if isinstance(value, float):
+            writer.add_float32(name, value)
+        else:
+            writer.add_uint32(name, value)
+    shape = f"Qwen3-MoE, {args.experts} experts" if args.experts else "TinyLlama-1.1B shape"
+    writer.add_string("general.name", f"random {shape}, Q4_K_M ({args.layers} layers)")
     rng = np.random.default_rng(0)
     vocab = len(template.fields["tokenizer.ggml.tokens"].data)
-    kv = args.kv_heads * (args.hidden // args.heads)
+    q_size, kv = args.heads * head_dim, args.kv_heads * head_dim
 
-    def matrix(name: str, rows: int, cols: int, kind: str) -> None:
+    def matrix(name: str, rows: int, cols: int, kind: str, stack: int | None = None) -> None:
         qtype = gguf.GGMLQuantizationType[kind]
-        writer.add_tensor(name, blocks(kind, rows, cols, rng), raw_dtype=qtype)
+        writer.add_tensor(name, blocks(kind, rows, cols, rng, stack), raw_dtype=qtype)
 
-    def norm(name: str) -> None:
-        writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(args.hidden)).astype(np.float32))
+    def norm(name: str, width: int = args.hidden) -> None:
+        writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(width)).astype(np.float32))
 
     matrix("token_embd.weight", vocab, args.hidden, "Q4_K")
     for layer in range(args.layers):
         wide = "Q6_K" if more_bits(layer, args.layers) else "Q4_K"
         at = f"blk.{layer}"
         norm(f"{at}.attn_norm.weight")
-        matrix(f"{at}.attn_q.weight", args.hidden, args.hidden, "Q4_K")
+        matrix(f"{at}.attn_q.weight", q_size, args.hidden, "Q4_K")
         matrix(f"{at}.attn_k.weight", kv, args.hidden, "Q4_K")
         matrix(f"{at}.attn_v.weight", kv, args.hidden, wide)
-        matrix(f"{at}.attn_output.weight", args.hidden, args.hidden, "Q4_K")
+        matrix(f"{at}.attn_output.weight", args.hidden, q_size, "Q4_K")
         norm(f"{at}.ffn_norm.weight")
+        if args.experts:
+            norm(f"{at}.attn_q_norm.weight", head_dim)
+            norm(f"{at}.attn_k_norm.weight", head_dim)
+            router = 0.05 * rng.standard_normal((args.experts, args.hidden))
+            writer.add_tensor(f"{at}.ffn_gate_inp.weight", router.astype(np.float32))
+            matrix(f"{at}.ffn_gate_exps.weight", args.ffn, args.hidden, "Q4_K", args.experts)
+            matrix(f"{at}.ffn_up_exps.weight", args.ffn, args.hidden, "Q4_K", args.experts)
+            matrix(f"{at}.ffn_down_exps.weight", args.hidden, args.ffn, wide, args.experts)
+            continue
         matrix(f"{at}.ffn_gate.weight", args.ffn, args.hidden, "Q4_K")
         matrix(f"{at}.ffn_up.weight", args.ffn, args.hidden, "Q4_K")
         matrix(f"{at}.ffn_down.weight", args.hidden, args.ffn, wide)

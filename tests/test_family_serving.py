@@ -1,4 +1,4 @@
-"""What serving relies on, for families beside Llama: Qwen3 and Gemma 3 (tiny checkpoints).
+"""What serving relies on, for families beside Llama: Qwen3, Gemma 3, Qwen3-MoE (tiny checkpoints).
 
 On the engine: a request's tokens are the same alone and in a batch with
 neighbours (greedy and seeded), a continuation from any prefix goes on exactly
@@ -36,7 +36,7 @@ from tests.process_helpers import (
 )
 from tests.runtime_helpers import kill_all
 
-FAMILIES = ["llama", "qwen3", "gemma3"]
+FAMILIES = ["llama", "qwen3", "gemma3", "qwen3-moe"]
 LIMITS = BatchLimits(max_seqs=6, max_context=512, max_step_tokens=64, max_prefill_tokens=16)
 
 

@@ -7,6 +7,7 @@ same on the AVX-512 and AVX2 builds.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -160,9 +161,11 @@ LAYER_TYPES = (
 Entry = tuple[str, str, int, int] | tuple[str]
 
 
-def write_gguf(path: Path, arch: str, hidden: int, entries: list[Entry], seed: int) -> None:
+def write_gguf(path: Path, arch: str, hidden: int, entries: list[Entry], seed: int,
+               extra: Sequence[tuple[str, np.ndarray, Any]] = ()) -> None:  # fmt: skip
     """A GGUF file of random valid blocks, in the order listed; norms are 1 + noise,
-    perturbed so that ignoring one shows."""
+    perturbed so that ignoring one shows. `extra`: tensors given whole after them
+    (name, array, GGML type of raw blocks or None for floats)."""
     writer = gguf.GGUFWriter(str(path), arch)
     rng = np.random.default_rng(seed)
     for entry in entries:
@@ -175,6 +178,8 @@ def write_gguf(path: Path, arch: str, hidden: int, entries: list[Entry], seed: i
         if type_name in ("F16", "BF16"):
             raw = raw.view(np.float16 if type_name == "F16" else np.uint16).reshape(rows, cols)
         writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[type_name])
+    for name, array, raw_type in extra:
+        writer.add_tensor(name, array, raw_dtype=raw_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

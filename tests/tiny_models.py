@@ -74,6 +74,16 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "granite": ("GraniteConfig", {"embedding_multiplier": 3.0, "attention_multiplier": 0.3,
                                   "residual_multiplier": 0.5, "logits_scaling": 2.5}),
     "olmo2": ("Olmo2Config", {"attention_bias": True, "eos_token_id": None}),
+    # Mixtures: 8 experts, 2 a token; the second Qwen layer dense (mlp_only_layers).
+    "qwen3-moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": True,
+                                     "mlp_only_layers": [1]}),
+    "qwen2-moe-shared": ("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 3,
+                                            "moe_intermediate_size": 32,
+                                            "shared_expert_intermediate_size": 64,
+                                            "norm_topk_prob": False}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                  "sliding_window": 12}),
 }  # fmt: skip
 
 

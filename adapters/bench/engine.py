@@ -371,10 +371,17 @@ def main(
             f"p99 {p99 * 1e3:.1f} ms"
         )
     single = next((rate for n, rate in rows if n == 1), None)
-    weight_bytes = engine.runner.weight_bytes()
+    weight_bytes = engine.runner.weight_bytes(rows=1)
     bandwidth = measure.memory_bandwidth_gbs(torch.device(loaded.device or "cpu"))
     bound = bandwidth * 1e9 / weight_bytes
     print(f"  weights read per decode step: {weight_bytes / 1e6:.0f} MB")
+    if any(layer.experts for layer in engine.runner.spec.layers):
+        most = max(concurrency)
+        print(
+            f"  (a mixture: the experts one row picks; at {most} rows, evenly spread, "
+            f"{engine.runner.weight_bytes(rows=most) / 1e6:.0f} MB of the "
+            f"{engine.runner.weight_bytes() / 1e6:.0f} MB held)"
+        )
     print(f"  memory copy bandwidth: {bandwidth:.1f} GB/s (read + write)")
     if single is not None:
         print(

@@ -18,6 +18,11 @@ tokenizer and the chat template, and never builds the model.
   gives a tensor's blocks as shipped, for a format that can run them as they are.
 - In memory: a model built in this process (tests, the device check), by its
   state dict.
+
+A mixture's experts are found wherever a checkpoint keeps them: one tensor per
+expert (Hugging Face's files), one 3-D tensor stacked over the experts (GGUF's
+`ffn_gate_exps`: one expert's slice is read at a time), or transformers'
+in-memory gate|up layout (`expert_matrix`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from adapters.engine.errors import ModelError
+from adapters.engine.spec import ExpertTensors
 
 
 class CheckpointError(ModelError, ValueError):
@@ -197,6 +203,30 @@ class GgufCheckpoint:
             data = _unpermute(data, heads)
         return type_name, data, (shape[0], shape[1])
 
+    def expert_blocks(self, name: str, index: int) -> tuple[str, Any, tuple[int, int]]:
+        """Expert `index`'s matrix of a tensor stacked over the experts ([experts, rows,
+        cols], llama.cpp's ffn_gate_exps): as `blocks` gives a matrix's."""
+        type_name, data, shape = self.quantized(name)
+        if len(shape) != 3 or not 0 <= index < shape[0]:
+            raise CheckpointError(f"{self.source}: {name!r} has no expert {index}")
+        return type_name, data[index], (shape[1], shape[2])
+
+    def expert(self, name: str, index: int) -> torch.Tensor:
+        """Expert `index`'s matrix of a stacked tensor, dequantized (that one only)."""
+        import gguf
+
+        type_name, data, (rows, cols) = self.expert_blocks(name, index)
+        out = torch.empty(rows, cols, dtype=torch.float32)
+        kind = self._tensors[self._require(name)].tensor_type
+        target = out.numpy()
+        for first in range(0, rows, DEQUANTIZE_ROWS):
+            part = data[first : first + DEQUANTIZE_ROWS]
+            target[first : first + DEQUANTIZE_ROWS] = gguf.dequantize(part, kind).reshape(
+                part.shape[0], -1
+            )
+        del type_name
+        return out
+
     def done_with(self, name: str) -> None:
         """A tensor read through `blocks` is packed: its pages leave the resident set."""
         tensor = self._tensors[self._require(name)]
@@ -268,6 +298,33 @@ def open_checkpoint(path: Path, config: Any) -> Checkpoint:
     if (path / "pytorch_model.bin").is_file() or (path / "pytorch_model.bin.index.json").is_file():
         return TorchCheckpoint(path)
     raise CheckpointError(f"{path}: no weights (.safetensors, pytorch_model.bin or .gguf)")
+
+
+def expert_matrix(
+    checkpoint: Checkpoint, experts: ExpertTensors, which: int, index: int
+) -> torch.Tensor:
+    """Expert `index`'s gate (which 0), up (1) or down (2) matrix [out, in], wherever the
+    checkpoint keeps it (spec.ExpertTensors): saved per expert, stacked over the
+    experts (a GGUF file: only this expert is dequantized), or in transformers'
+    in-memory layout (gate and up as halves of one tensor)."""
+    name = experts.per_expert[which].format(e=index)
+    if checkpoint.has(name):
+        return checkpoint.tensor(name)
+    stacked = experts.stacked[which]
+    if checkpoint.has(stacked):
+        reader = getattr(checkpoint, "expert", None)  # a GGUF file: that expert alone
+        found: torch.Tensor = (
+            reader(stacked, index) if reader else checkpoint.tensor(stacked)[index]
+        )
+        return found
+    gate_up, down = experts.fused
+    if which == 2 and checkpoint.has(down):
+        return checkpoint.tensor(down)[index]
+    if which < 2 and checkpoint.has(gate_up):
+        both = checkpoint.tensor(gate_up)[index]
+        half = both.shape[0] // 2
+        return both[:half] if which == 0 else both[half:]
+    raise CheckpointError(f"{checkpoint.source}: no {name!r}, nor the experts stacked")
 
 
 def first(checkpoint: Checkpoint, names: Iterable[str]) -> str | None:

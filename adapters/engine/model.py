@@ -195,7 +195,46 @@ def boundary_cache(gguf: Path) -> Path:
 def read_config(source: Source) -> Any:
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(source.directory, **source.options)
+    config = AutoConfig.from_pretrained(source.directory, **source.options)
+    if source.options.get("gguf_file"):
+        config = _gguf_mixture(config, source.weights)
+    return config
+
+
+def _gguf_mixture(config: Any, path: Path) -> Any:
+    """A GGUF file's config with what transformers' GGUF reader leaves out of a mixture
+    of experts: the experts' width (`expert_feed_forward_length`, else the config
+    keeps its class default) and a shared expert's; and a Mixtral file (llama.cpp
+    writes it as architecture llama with experts) as Mixtral's config, not Llama's."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(path)).fields
+    arch = fields["general.architecture"].contents()
+    wanted = ("expert_count", "expert_used_count", "expert_feed_forward_length",
+              "expert_shared_feed_forward_length")  # fmt: skip
+    found = {key: fields[f"{arch}.{key}"].contents() for key in wanted if f"{arch}.{key}" in fields}
+    del fields  # the vocabulary's fields are large
+    experts, used = found.get("expert_count"), found.get("expert_used_count")
+    width, shared = (
+        found.get("expert_feed_forward_length"),
+        found.get("expert_shared_feed_forward_length"),
+    )
+    if not experts:
+        return config
+    if arch == "llama":
+        from transformers import MixtralConfig
+
+        settings = {k: v for k, v in config.to_dict().items() if k not in ("model_type",)}
+        settings.pop("architectures", None)
+        config = MixtralConfig(**settings)
+        config.num_local_experts = int(experts)
+        config.num_experts_per_tok = int(used or config.num_experts_per_tok)
+        config.architectures = ["MixtralForCausalLM"]
+    if width and hasattr(config, "moe_intermediate_size"):
+        config.moe_intermediate_size = int(width)
+    if shared and hasattr(config, "shared_expert_intermediate_size"):
+        config.shared_expert_intermediate_size = int(shared)
+    return config
 
 
 def load_model(

@@ -138,6 +138,15 @@ typedef struct {
     int32_t qk_norm_width;              /* 1: q and k normalised whole, 0: per head */
     int32_t gelu;                       /* 1: tanh-GELU gate, 0: SiLU */
     float final_softcap;                /* logits -> tanh(l / c) * c; 0: none */
+    /* Mixtures of experts (spec.Experts), per layer: experts[l] 0 is a dense MLP. */
+    const int32_t *experts;             /* [layers] how many experts; 0: none */
+    const int32_t *has_mlp;             /* [layers] 1: gate_up/down run (an MLP or a
+                                         * shared expert), 0: only experts */
+    int32_t top_k, expert_inter, renormalise;
+    const float *const *router;         /* [experts][hidden] fp32 */
+    const Mat *const *expert_gate_up;   /* [experts] */
+    const Mat *const *expert_down;      /* [experts] */
+    const float *const *shared_gate;    /* [hidden]: sigmoid gate of the shared expert */
 } Model;
 
 const char *fp_isa(void) { return FP_ISA; }
@@ -267,13 +276,10 @@ static void run_parts(part_fn fn, void *ctx, int parts) {
  * 1.5 * 2^23 leaves no fraction bits (vectorizes; nearbyintf may not). */
 static inline float round_even(float v) { return (v + 12582912.0f) - 12582912.0f; }
 
-static void quantize(const float *x, int rows, int in, Act *a) {
+/* Rows r0..r1 of x into a (whose shape quantize has set). */
+static void quantize_rows(const float *x, int in, Act *a, int r0, int r1) {
     int groups = in / GROUP;
-    a->rows = rows;
-    a->in = in;
-    a->groups = groups;
-    a->x = x;
-    for (int r = 0; r < rows; r++) {
+    for (int r = r0; r < r1; r++) {
         const float *xr = x + (size_t)r * in;
         int8_t *cr = a->c + (size_t)r * in, *lr = a->c2 + (size_t)r * in;
         for (int g = 0; g < groups; g++) {
@@ -310,6 +316,29 @@ static void quantize(const float *x, int rows, int in, Act *a) {
             a->dsum[r * groups + g] = step * (float)sum;
         }
     }
+}
+
+typedef struct {
+    const float *x;
+    int rows, in;
+    Act *a;
+} QuantizeJob;
+
+static void quantize_part(void *ctx, int part, int parts) {
+    const QuantizeJob *job = ctx;
+    quantize_rows(job->x, job->in, job->a, job->rows * part / parts,
+                  job->rows * (part + 1) / parts);
+}
+
+/* x [rows][in] into a, rows shared between up to `threads` threads (each row on its
+ * own: the same bits however they are shared). */
+static void quantize(const float *x, int rows, int in, Act *a, int threads) {
+    a->rows = rows;
+    a->in = in;
+    a->groups = in / GROUP;
+    a->x = x;
+    QuantizeJob job = {x, rows, in, a};
+    run_parts(quantize_part, &job, threads < rows ? threads : rows);
 }
 
 /* ---- products: y[r][o] = sum over inputs of W[o][i] * dequantized x[r][i] -------- */
@@ -869,8 +898,8 @@ int fp_matmul(const Mat *m, const float *x, int32_t rows, float *y, int32_t thre
         act_free(&a);
         return -1;
     }
-    quantize(x, rows, m->in, &a);
     threads = pool_take(threads);
+    quantize(x, rows, m->in, &a, threads);
     product(m, &a, y, threads);
     pool_give(threads);
     act_free(&a);
@@ -1055,6 +1084,219 @@ static void qk_norm(const Model *md, int l, float *f, float *tmp) {
     }
 }
 
+/* act(gate) * up of rows of gate|up [rows][2 width] (plus their bias, where given)
+ * -> h [rows][width], the rows shared between threads. */
+typedef struct {
+    const Model *md;
+    float *both, *h;
+    const float *bias;
+    int rows, width;
+} GateJob;
+
+static void gate_part(void *ctx, int part, int parts) {
+    const GateJob *job = ctx;
+    int n = job->width;
+    for (int r = job->rows * part / parts; r < job->rows * (part + 1) / parts; r++) {
+        float *gu = job->both + (size_t)r * 2 * n, *h = job->h + (size_t)r * n;
+        add_bias(gu, job->bias, 2 * n);
+        if (job->md->gelu)
+            for (int i = 0; i < n; i++) h[i] = gelu_tanh(gu[i]) * gu[n + i];
+        else
+            for (int i = 0; i < n; i++) h[i] = silu(gu[i]) * gu[n + i];
+    }
+}
+
+static void gate(const Model *md, float *both, const float *bias, int rows, int width, float *h,
+                 int threads) {
+    GateJob job = {md, both, h, bias, rows, width};
+    run_parts(gate_part, &job, threads < rows ? threads : rows);
+}
+
+/* What a mixture's layer works in (fp_forward reserves it for its rows). Its pairs
+ * (row, rank) are kept sorted by expert: each expert's rows are one run of them. */
+typedef struct {
+    float *in;       /* [rows][hidden] the normed rows the experts take */
+    float *picked;   /* [pairs][hidden] each pair's row, sorted by expert */
+    float *both;     /* [pairs][2 expert_inter] their gate|up */
+    float *inner;    /* [pairs][expert_inter] */
+    float *result;   /* [pairs][hidden] */
+    float *weight;   /* [rows][top_k] */
+    int32_t *chosen; /* [rows][top_k] */
+    int32_t *sorted; /* [rows][top_k]: where the pair sits in the sorted runs */
+    int32_t *count;  /* [experts] pairs of each expert */
+    float *probs;    /* [experts] */
+    Act act;         /* [pairs] rows, as wide as the widest of hidden and expert_inter */
+} Moe;
+
+static int moe_reserve(Moe *m, const Model *md, int rows) {
+    int most = 0, hidden = md->hidden, k = md->top_k, inner = md->expert_inter;
+    for (int l = 0; l < md->layers; l++) most = md->experts[l] > most ? md->experts[l] : most;
+    memset(m, 0, sizeof *m);
+    if (!most) return 1;
+    size_t pairs = (size_t)rows * k;
+    m->in = malloc((size_t)rows * hidden * sizeof(float));
+    m->picked = malloc(pairs * hidden * sizeof(float));
+    m->both = malloc(pairs * 2 * inner * sizeof(float));
+    m->inner = malloc(pairs * inner * sizeof(float));
+    m->result = malloc(pairs * hidden * sizeof(float));
+    m->weight = malloc(pairs * sizeof(float));
+    m->chosen = malloc(pairs * sizeof(int32_t));
+    m->sorted = malloc(pairs * sizeof(int32_t));
+    m->count = malloc((size_t)most * sizeof(int32_t));
+    m->probs = malloc((size_t)most * sizeof(float));
+    int acts = act_reserve(&m->act, (int)pairs, hidden > inner ? hidden : inner);
+    return acts && m->in && m->picked && m->both && m->inner && m->result && m->weight &&
+           m->chosen && m->sorted && m->count && m->probs;
+}
+
+static void moe_free(Moe *m) {
+    void *buffers[] = {m->in,     m->picked, m->both,  m->inner, m->result,
+                       m->weight, m->chosen, m->sorted, m->count, m->probs};
+    for (size_t i = 0; i < sizeof buffers / sizeof *buffers; i++) free(buffers[i]);
+    act_free(&m->act); /* zeroed by moe_reserve where not reserved */
+}
+
+/* Rows first.. first + n of a quantized batch, as a batch of their own. */
+static Act act_rows(const Act *a, int first, int n) {
+    Act v = *a;
+    size_t in = (size_t)a->in, groups = (size_t)a->groups;
+    v.rows = n;
+    v.x = a->x + first * in;
+    v.c = a->c + first * in;
+    v.c2 = a->c2 + first * in;
+    v.d = a->d + first * groups;
+    v.dsum = a->dsum + first * groups;
+    v.csum = a->csum + first * groups;
+    v.csum16 = a->csum16 + first * groups * 2;
+    return v;
+}
+
+/* Several products, each its own matrix (or chain) over its own rows, as one threaded
+ * job: the tiles of all of them split in contiguous shares between the threads. */
+typedef struct {
+    const Mat *m;
+    Act a;
+    float *y;
+} Task;
+
+typedef struct {
+    const Task *tasks;
+    int count, tiles;
+} TaskJob;
+
+static void tasks_part(void *ctx, int part, int parts) {
+    const TaskJob *job = ctx;
+    int first = (int)((int64_t)job->tiles * part / parts);
+    int last = (int)((int64_t)job->tiles * (part + 1) / parts);
+    int base = 0;
+    for (int t = 0; t < job->count && base < last; t++) {
+        const Task *task = &job->tasks[t];
+        int stride = chain_out(task->m), col = 0;
+        for (const Mat *m = task->m; m && base < last; m = m->next) {
+            int lo = first > base ? first - base : 0;
+            int hi = last - base < m->tiles ? last - base : m->tiles;
+            if (lo < hi) product_tiles(m, &task->a, task->y, stride, col, lo, hi);
+            base += m->tiles;
+            col += m->out;
+        }
+    }
+}
+
+static void run_tasks(const Task *tasks, int count, int threads) {
+    TaskJob job = {tasks, count, 0};
+    for (int t = 0; t < count; t++)
+        for (const Mat *m = tasks[t].m; m; m = m->next) job.tiles += m->tiles;
+    if (job.tiles) run_parts(tasks_part, &job, threads < job.tiles ? threads : job.tiles);
+}
+
+/* Layer l's mixture over the normed rows m->in, added into out [rows][hidden] (which
+ * holds the shared expert's output where the layer has one, else is overwritten).
+ *
+ * Per row: the router's logits (fp32 dots), their softmax, the top_k (the largest
+ * first; ties: the lower expert), divided by their sum where the family says. Then
+ * the (row, rank) pairs sorted by expert, their rows gathered and quantized once, and
+ * every chosen expert's gate|up run over its own run of pairs, all experts in one
+ * threaded job (each chosen expert's weights read once a step however many rows
+ * chose it); then the gates, and every expert's down the same way. Each row's k
+ * results are summed last, in rank order: with the kernels' row independence, a
+ * row's output is the same bits whatever rows shared its experts. */
+static void mixture(const Model *md, int l, int rows, Moe *m, float *out, int threads) {
+    int hidden = md->hidden, k = md->top_k, count = md->experts[l], inner = md->expert_inter;
+    int pairs = rows * k;
+    for (int r = 0; r < rows; r++) {
+        const float *row = m->in + (size_t)r * hidden;
+        float top = -INFINITY, total = 0.0f;
+        for (int e = 0; e < count; e++) {
+            m->probs[e] = dot(row, md->router[l] + (size_t)e * hidden, hidden);
+            top = m->probs[e] > top ? m->probs[e] : top;
+        }
+        for (int e = 0; e < count; e++) {
+            m->probs[e] = exp_approx(m->probs[e] - top);
+            total += m->probs[e];
+        }
+        float kept = 0.0f;
+        for (int j = 0; j < k; j++) {
+            int best = -1;
+            for (int e = 0; e < count; e++) /* the largest not yet taken */
+                if (m->probs[e] >= 0.0f && (best < 0 || m->probs[e] > m->probs[best])) best = e;
+            m->chosen[r * k + j] = best;
+            m->weight[r * k + j] = m->probs[best] / total;
+            kept += m->weight[r * k + j];
+            m->probs[best] = -1.0f;
+        }
+        if (md->renormalise)
+            for (int j = 0; j < k; j++) m->weight[r * k + j] /= kept;
+    }
+    memset(m->count, 0, (size_t)count * sizeof(int32_t));
+    for (int p = 0; p < pairs; p++) m->count[m->chosen[p]]++;
+    int at = 0; /* each expert's run starts where the one before ends */
+    for (int e = 0; e < count; e++) {
+        int n = m->count[e];
+        m->count[e] = at;
+        at += n;
+    }
+    for (int p = 0; p < pairs; p++) { /* pairs in row order within each run */
+        int s = m->count[m->chosen[p]]++;
+        m->sorted[p] = s;
+        memcpy(m->picked + (size_t)s * hidden, m->in + (size_t)(p / k) * hidden,
+               (size_t)hidden * sizeof(float));
+    }
+    Task tasks[count > 0 ? count : 1];
+    int used = 0;
+    quantize(m->picked, pairs, hidden, &m->act, threads);
+    for (int e = 0, first = 0; e < count; first = m->count[e++]) {
+        int n = m->count[e] - first; /* count[e] is now where run e ends */
+        if (n) tasks[used++] = (Task){&md->expert_gate_up[l][e], act_rows(&m->act, first, n),
+                                      m->both + (size_t)first * 2 * inner};
+    }
+    run_tasks(tasks, used, threads);
+    gate(md, m->both, NULL, pairs, inner, m->inner, threads);
+    quantize(m->inner, pairs, inner, &m->act, threads);
+    used = 0;
+    for (int e = 0, first = 0; e < count; first = m->count[e++]) {
+        int n = m->count[e] - first;
+        if (n) tasks[used++] = (Task){&md->expert_down[l][e], act_rows(&m->act, first, n),
+                                      m->result + (size_t)first * hidden};
+    }
+    run_tasks(tasks, used, threads);
+    for (int r = 0; r < rows; r++) {
+        float *o = out + (size_t)r * hidden;
+        const float *row = m->in + (size_t)r * hidden;
+        float shared = 0.0f;
+        if (md->has_mlp[l] && md->shared_gate[l])
+            shared = 1.0f / (1.0f + exp_approx(-dot(row, md->shared_gate[l], hidden)));
+        for (int i = 0; i < hidden; i++) {
+            float sum = 0.0f;
+            for (int j = 0; j < k; j++)
+                sum += m->weight[r * k + j] * m->result[(size_t)m->sorted[r * k + j] * hidden + i];
+            if (!md->has_mlp[l])
+                o[i] = sum;
+            else
+                o[i] = sum + (md->shared_gate[l] ? o[i] * shared : o[i]);
+        }
+    }
+}
+
 /* A sublayer's output rows (out) get their bias, their norm if the layer has one (into
  * scratch, then back), and are added to the residual stream x. */
 static void finish_sublayer(const Model *md, const float *bias, const float *norm, int rows,
@@ -1087,6 +1329,7 @@ int fp_forward(const Model *md, int32_t rows, const int64_t *tokens, const int64
      * inner width, or attention's output (wider than the stream in some models). */
     int widest = hidden > inter ? hidden : inter;
     widest = widest > q_size ? widest : q_size;
+    widest = widest > md->expert_inter ? widest : md->expert_inter;
     int64_t longest = 0;
     for (int r = 0; r < rows; r++) longest = positions[r] + 1 > longest ? positions[r] + 1 : longest;
     int group = md->heads / md->kv_heads;
@@ -1100,7 +1343,9 @@ int fp_forward(const Model *md, int32_t rows, const int64_t *tokens, const int64
     float *scores = malloc((size_t)threads * group * span * sizeof(float));
     int64_t *slots = malloc((size_t)rows * longest * sizeof(int64_t)); /* [rows][longest] */
     Act a;
+    Moe moe;
     int ok = act_reserve(&a, rows, widest) && x && normed && fused && attn && out && scores && slots;
+    ok = moe_reserve(&moe, md, rows) && ok;
     if (ok) {
         for (int r = 0; r < rows; r++) /* where each row's positions are in the cache */
             for (int64_t p = 0; p <= positions[r]; p++)
@@ -1118,7 +1363,7 @@ int fp_forward(const Model *md, int32_t rows, const int64_t *tokens, const int64
             for (int r = 0; r < rows; r++)
                 norm_or_copy(x + (size_t)r * hidden, md->input_norm[l], hidden, md->eps,
                              normed + (size_t)r * hidden);
-            quantize(normed, rows, hidden, &a);
+            quantize(normed, rows, hidden, &a, threads);
             product(&md->qkv[l], &a, fused, threads);
             for (int r = 0; r < rows; r++) {
                 float *f = fused + (size_t)r * qkv_size;
@@ -1147,32 +1392,28 @@ int fp_forward(const Model *md, int32_t rows, const int64_t *tokens, const int64
                              span,   fused,     tables,    positions, slots, scores, attn};
             int items = rows * md->kv_heads;
             run_parts(attend_part, &job, threads < items ? threads : items);
-            quantize(attn, rows, q_size, &a);
+            quantize(attn, rows, q_size, &a, threads);
             product(&md->o[l], &a, out, threads);
             finish_sublayer(md, md->o_bias[l], md->attn_out_norm[l], rows, out, normed, x);
             for (int r = 0; r < rows; r++)
                 norm_or_copy(x + (size_t)r * hidden, md->post_norm[l], hidden, md->eps,
                              normed + (size_t)r * hidden);
-            quantize(normed, rows, hidden, &a);
-            product(&md->gate_up[l], &a, fused, threads);
-            for (int r = 0; r < rows; r++) {
-                float *gu = fused + (size_t)r * 2 * inter;
-                float *h = normed + (size_t)r * inter;
-                add_bias(gu, md->gate_up_bias[l], 2 * inter);
-                if (md->gelu)
-                    for (int i = 0; i < inter; i++) h[i] = gelu_tanh(gu[i]) * gu[inter + i];
-                else
-                    for (int i = 0; i < inter; i++) h[i] = silu(gu[i]) * gu[inter + i];
+            if (md->experts[l]) memcpy(moe.in, normed, (size_t)rows * hidden * sizeof(float));
+            if (md->has_mlp[l]) {
+                quantize(normed, rows, hidden, &a, threads);
+                product(&md->gate_up[l], &a, fused, threads);
+                gate(md, fused, md->gate_up_bias[l], rows, inter, normed, threads);
+                quantize(normed, rows, inter, &a, threads);
+                product(&md->down[l], &a, out, threads);
             }
-            quantize(normed, rows, inter, &a);
-            product(&md->down[l], &a, out, threads);
+            if (md->experts[l]) mixture(md, l, rows, &moe, out, threads);
             finish_sublayer(md, md->down_bias[l], md->mlp_out_norm[l], rows, out, normed, x);
         }
         for (int k = 0; k < count; k++)
             rms_norm(x + (size_t)wanted[k] * hidden, md->final_norm, hidden, md->eps,
                      normed + (size_t)k * hidden);
         if (count > 0) {
-            quantize(normed, count, hidden, &a);
+            quantize(normed, count, hidden, &a, threads);
             product(md->head, &a, logits, threads);
             if (md->final_softcap > 0.0f)
                 for (size_t i = 0; i < (size_t)count * md->vocab; i++)
@@ -1180,6 +1421,7 @@ int fp_forward(const Model *md, int32_t rows, const int64_t *tokens, const int64
         }
     }
     act_free(&a);
+    moe_free(&moe);
     free(x);
     free(normed);
     free(fused);

@@ -111,6 +111,15 @@ class ModelStruct(ctypes.Structure):
         ("qk_norm_width", ctypes.c_int32),
         ("gelu", ctypes.c_int32),
         ("final_softcap", ctypes.c_float),
+        ("experts", ctypes.POINTER(ctypes.c_int32)),
+        ("has_mlp", ctypes.POINTER(ctypes.c_int32)),
+        ("top_k", ctypes.c_int32),
+        ("expert_inter", ctypes.c_int32),
+        ("renormalise", ctypes.c_int32),
+        ("router", ctypes.POINTER(ctypes.c_void_p)),
+        ("expert_gate_up", ctypes.POINTER(ctypes.POINTER(Mat))),
+        ("expert_down", ctypes.POINTER(ctypes.POINTER(Mat))),
+        ("shared_gate", ctypes.POINTER(ctypes.c_void_p)),
     ]
 
 
@@ -440,7 +449,7 @@ class NativeProduct:
 NATIVE_FEATURES = frozenset({
     "window", "softcap", "qk_norm_head", "qk_norm_width", "qkv_bias", "o_bias",
     "no_rotary", "mlp_bias", "gelu_tanh", "post_norms", "no_pre_norms", "partial_rotary",
-    "final_softcap",
+    "final_softcap", "experts", "shared_expert",
 })  # fmt: skip
 
 
@@ -453,12 +462,22 @@ def model_problem(spec: ModelSpec, block_size: int = 16) -> str | None:
     head_dim = spec.head_dim
     if head_dim % 16 or head_dim > 512:
         return f"head_dim {head_dim}: the fused pass needs a multiple of 16 up to 512"
-    widths = {"hidden_size": spec.hidden, "intermediate_size": spec.layers[0].mlp.intermediate}
-    for name, width in widths.items():
+    mlps = {layer.mlp.intermediate for layer in spec.layers if layer.mlp is not None}
+    mixtures = {layer.experts for layer in spec.layers if layer.experts is not None}
+    widths = [("hidden_size", spec.hidden)]
+    widths += [("intermediate_size", width) for width in mlps]
+    widths += [("moe_intermediate_size", experts.intermediate) for experts in mixtures]
+    for name, width in widths:
         if width % GROUP:
             return f"{name} {width}: the native formats need a multiple of {GROUP}"
-    if len({layer.mlp.intermediate for layer in spec.layers}) > 1:
+    if len(mlps) > 1:
         return "layers of different widths"
+    if len(mixtures) > 1:
+        return "layers with different mixtures of experts"
+    activations = {layer.mlp.activation for layer in spec.layers if layer.mlp is not None}
+    activations |= {experts.activation for experts in mixtures}
+    if len(activations) > 1:
+        return "MLPs with different activations"
     if spec.heads * head_dim % GROUP:
         return f"attention width {spec.heads * head_dim}: not a multiple of {GROUP}"
     if block_size % 16:
@@ -483,10 +502,12 @@ class NativeModel:
             raise ValueError(problem)
         spec = runner.spec
         count = len(layers)
-        self._mats = {
-            name: (Mat * count)(*(getattr(layer, name).mat for layer in layers))
-            for name in ("qkv", "o", "gate_up", "down")
-        }
+
+        def mats(name: str) -> Any:  # a layer without the product: an empty Mat
+            found = [getattr(layer, name) for layer in layers]
+            return (Mat * count)(*(Mat() if p is None else p.mat for p in found))
+
+        self._mats = {name: mats(name) for name in ("qkv", "o", "gate_up", "down")}
         keep: list[Any] = [runner.embed, runner.final_norm, runner.lm_head]
         # The embedding table: fp32 rows, or a packed matrix whose rows native.c unpacks
         # (a GGUF's table as shipped, often the tied output projection itself).
@@ -526,7 +547,9 @@ class NativeModel:
         windows = (ctypes.c_int32 * count)(*(a.window or 0 for a in attention))
         caps = (ctypes.c_float * count)(*(a.softcap or 0.0 for a in attention))
         keep += [windows, caps]
-        inter = layers[0].down.in_features
+        inter = next((w.down.in_features for w in layers if w.down is not None), 0)
+        mixture = next((layer.experts for layer in spec.layers if layer.experts), None)
+        experts = self._experts(layers, keep)
         self.struct = ModelStruct(
             hidden=spec.hidden,
             heads=runner.heads,
@@ -556,14 +579,48 @@ class NativeModel:
             softcap=ctypes.cast(caps, ctypes.POINTER(ctypes.c_float)),
             rot_dim=rot_dims.pop() if rot_dims else runner.head_dim,
             qk_norm_width=int(any(a.qk_norm == "width" for a in attention)),
-            gelu=int(spec.layers[0].mlp.activation == "gelu_tanh"),
+            gelu=int("gelu_tanh" in spec.features()),
             final_softcap=spec.final_softcap or 0.0,
+            top_k=mixture.top_k if mixture else 0,
+            expert_inter=mixture.intermediate if mixture else 0,
+            renormalise=int(mixture.renormalise) if mixture else 0,
+            router=pointers([w.moe.router if w.moe else None for w in layers]),
+            shared_gate=pointers([w.moe.shared_gate if w.moe else None for w in layers]),
+            **experts,
         )
         self._keep = keep
         self.vocab = runner.vocab_size
         self.max_context = runner.max_context
         self.blocks = runner.num_blocks
         self.block_size = runner.block_size
+
+    @staticmethod
+    def _experts(layers: list[Any], keep: list[Any]) -> dict[str, Any]:
+        """The mixtures' fields of native.c's Model: per layer its expert count and
+        whether an MLP (or shared expert) runs, and arrays of its experts' matrices."""
+        count = len(layers)
+        numbers = (ctypes.c_int32 * count)(*(len(w.moe.gate_up) if w.moe else 0 for w in layers))
+        has_mlp = (ctypes.c_int32 * count)(*(int(w.gate_up is not None) for w in layers))
+        keep += [numbers, has_mlp]
+        arrays = {}
+        for name in ("gate_up", "down"):
+            per_layer = []
+            for w in layers:
+                products = getattr(w.moe, name) if w.moe else []
+                if not all(isinstance(p, NativeProduct) for p in products):
+                    raise ValueError("the fused step needs native products")
+                mats = (Mat * len(products))(*(p.mat for p in products))
+                keep += [mats, products]
+                empty = ctypes.POINTER(Mat)()  # NULL: a layer without experts
+                per_layer.append(ctypes.cast(mats, ctypes.POINTER(Mat)) if products else empty)
+            array = (ctypes.POINTER(Mat) * count)(*per_layer)
+            keep.append(array)
+            arrays[f"expert_{name}"] = ctypes.cast(array, ctypes.POINTER(ctypes.POINTER(Mat)))
+        return {
+            "experts": ctypes.cast(numbers, ctypes.POINTER(ctypes.c_int32)),
+            "has_mlp": ctypes.cast(has_mlp, ctypes.POINTER(ctypes.c_int32)),
+            **arrays,
+        }
 
     def forward(
         self,

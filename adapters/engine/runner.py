@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from adapters.engine.checkpoint import CheckpointError
+from adapters.engine.checkpoint import CheckpointError, expert_matrix
+from adapters.engine.checkpoint import first as first_present
 from adapters.engine.fused import (
     fused_problem,
     kernel_problem,
@@ -47,7 +48,7 @@ from adapters.engine.fused import (
     torch_rotate_store,
     torch_silu_gate,
 )
-from adapters.engine.spec import Attention, Layer, ModelSpec
+from adapters.engine.spec import Attention, Experts, ExpertTensors, Layer, ModelSpec
 from adapters.engine.weights import (
     FORMATS,
     Projection,
@@ -75,14 +76,37 @@ DEFAULT_BLOCK_SIZE = 16  # positions per KV block, chosen by measurement (engine
 CPU_GATHER_BYTES = 8 << 20
 
 
+class MoeWeights(NamedTuple):
+    """A mixture's weights (spec.Experts): the router, each expert's gate|up and down
+    products, and (dense formats) the same experts stacked, [experts, 2 * width,
+    hidden] and [experts, hidden, width], for the fixed-shape step's batched products
+    (the per-expert products are views of them then, no second copy)."""
+
+    router: torch.Tensor  # [experts, hidden], state dtype
+    gate_up: list[Projection]
+    down: list[Projection]
+    stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+    shared_gate: torch.Tensor | None = None  # [hidden]: the shared expert's sigmoid gate
+
+    @property
+    def nbytes(self) -> int:
+        total = _nbytes(self.router) + sum(p.nbytes for p in [*self.gate_up, *self.down])
+        return total + (_nbytes(self.shared_gate) if self.shared_gate is not None else 0)
+
+    def expert_bytes(self) -> int:
+        """Bytes one expert's products read."""
+        return self.gate_up[0].nbytes + self.down[0].nbytes
+
+
 class LayerWeights(NamedTuple):
     """One decoder layer's weights, q/k/v and gate/up fused into one matrix each; the
-    norms, biases and q/k norms a layer does not have are None."""
+    norms, biases and q/k norms a layer does not have are None. A mixture's layer has
+    `moe`, and gate_up and down only for a shared expert."""
 
     qkv: Projection
     o: Projection
-    gate_up: Projection
-    down: Projection
+    gate_up: Projection | None
+    down: Projection | None
     pre_attention: torch.Tensor | None = None
     post_attention: torch.Tensor | None = None
     pre_mlp: torch.Tensor | None = None
@@ -93,6 +117,7 @@ class LayerWeights(NamedTuple):
     down_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    moe: MoeWeights | None = None
 
 
 class Pages(NamedTuple):
@@ -193,6 +218,7 @@ class Runner:
         self._kv_size = self.kv_heads * self.head_dim
         self._gather_bytes = CPU_GATHER_BYTES if self.device.type == "cpu" else None
         self._native: NativeModel | None = None
+        self._fixed_shapes = False  # inside forward_static: no shape read from the device
         # The native format keeps keys and values in fp16 (half the bytes attention
         # reads, and half the memory); only native.c reads or writes them then.
         self.cache_dtype = torch.float16 if weights == "w4a16" else self.state_dtype
@@ -247,12 +273,23 @@ class Runner:
             return 0
         return self.embed.nbytes
 
-    def weight_bytes(self) -> int:
-        """Bytes of weights one decode step must read (each matrix once)."""
+    def weight_bytes(self, rows: int | None = None) -> int:
+        """Bytes of the weights (each matrix once); with `rows`, those a decode step of
+        that many rows reads: of a mixture, the router and the experts the rows pick,
+        as many as evenly spread choices touch on average (experts x (1 - (1 - top_k /
+        experts) ^ rows): top_k of them at one row)."""
         total: int = self.lm_head.nbytes + _nbytes(self.final_norm)
-        for layer in self.layers:
-            total += layer.qkv.nbytes + layer.o.nbytes + layer.gate_up.nbytes + layer.down.nbytes
-            total += sum(_nbytes(t) for t in layer[4:] if isinstance(t, torch.Tensor))
+        for layer, weights in zip(self.spec.layers, self.layers, strict=True):
+            total += weights.qkv.nbytes + weights.o.nbytes
+            total += sum(p.nbytes for p in (weights.gate_up, weights.down) if p is not None)
+            total += sum(_nbytes(t) for t in weights[4:] if isinstance(t, torch.Tensor))
+            if weights.moe is None or layer.experts is None:
+                continue
+            total += weights.moe.nbytes
+            if rows is not None:
+                count, k = layer.experts.count, layer.experts.top_k
+                touched = count * (1 - (1 - k / count) ** rows)
+                total -= round((count - touched) * weights.moe.expert_bytes())
         return total
 
     def pages(self, tables: list[list[int]], length: int) -> Pages:
@@ -314,8 +351,13 @@ class Runner:
     ) -> torch.Tensor:
         """decode() at fixed shapes, for static_decode.py: every input a tensor of a
         size fixed per batch size (tables [rows, widest]), no Python value read from
-        the device, attention by `attend` (paged_attention.py). -> logits [rows, vocab]."""
-        return self._forward_rows(self._embedded(tokens), positions, tables, attend, None)
+        the device, attention by `attend` (paged_attention.py). -> logits [rows, vocab].
+        A mixture's experts run as fixed-shape batched products then (_mixture)."""
+        self._fixed_shapes = True
+        try:
+            return self._forward_rows(self._embedded(tokens), positions, tables, attend, None)
+        finally:
+            self._fixed_shapes = False
 
     def _forward_rows(
         self,
@@ -599,20 +641,109 @@ class Runner:
 
     def _mlp(self, x: torch.Tensor, layer: Layer, weights: LayerWeights) -> torch.Tensor:
         h = self._norm(x, weights.pre_mlp) if weights.pre_mlp is not None else x.to(self.dtype)
-        gate_up = weights.gate_up(h)
-        if weights.gate_up_bias is not None:
-            gate_up = gate_up + weights.gate_up_bias.to(gate_up.dtype)
-        if layer.mlp.activation == "gelu_tanh":
-            gate, up = gate_up.chunk(2, dim=-1)
-            hidden = F.gelu(gate, approximate="tanh") * up
-        else:
-            hidden = silu_gate(gate_up) if self.fused_gate else torch_silu_gate(gate_up)
-        out = weights.down(hidden).to(self.state_dtype)
+        out: torch.Tensor | None = None
+        if weights.gate_up is not None and weights.down is not None:  # an MLP, or shared expert
+            activation = layer.mlp.activation if layer.mlp is not None else "silu"
+            out = self._gated(h, weights.gate_up, weights.down, activation, weights.gate_up_bias)
+            moe = weights.moe
+            if moe is not None and moe.shared_gate is not None:
+                out = out * torch.sigmoid(h.to(self.state_dtype) @ moe.shared_gate)[:, None]
+        if layer.experts is not None:
+            assert weights.moe is not None
+            mixed = self._mixture(h, layer.experts, weights.moe)
+            out = mixed if out is None else mixed + out
+        assert out is not None
         if weights.down_bias is not None:
             out = out + weights.down_bias
         if weights.post_mlp is not None:
             out = self._norm(out, weights.post_mlp).to(self.state_dtype)
         return x + out
+
+    def _gated(
+        self,
+        h: torch.Tensor,
+        gate_up: Projection,
+        down: Projection,
+        activation: str,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """down(act(gate) * up) of rows h -> [rows, hidden] in the state dtype."""
+        both = gate_up(h)
+        if bias is not None:
+            both = both + bias.to(both.dtype)
+        return down(self._activate(both, activation)).to(self.state_dtype)
+
+    def _activate(self, both: torch.Tensor, activation: str) -> torch.Tensor:
+        """act(gate) * up of [..., gate | up] -> [..., width]."""
+        if activation == "gelu_tanh":
+            gate, up = both.chunk(2, dim=-1)
+            return F.gelu(gate, approximate="tanh") * up
+        if not self.fused_gate:
+            return torch_silu_gate(both)
+        return silu_gate(both.reshape(-1, both.shape[-1])).view(*both.shape[:-1], -1)
+
+    def _mixture(self, h: torch.Tensor, experts: Experts, moe: MoeWeights) -> torch.Tensor:
+        """A mixture of experts over rows h [rows, hidden] -> [rows, hidden] (state dtype).
+
+        The router's softmax in fp32, each row's top_k (renormalised where the family
+        says); then the rows grouped by expert: the (row, rank) pairs sorted by expert,
+        one product per expert over the rows that chose it, each result put back at its
+        pair, and each row's k results weighed and summed in rank order, so that a
+        row's sum is formed the same way whatever rows share its experts. In the
+        fixed-shape step (CUDA graphs: no count read from the device) every expert
+        takes `rows` rows, the pairs it got and padding, in two batched products."""
+        rows, k = h.shape[0], experts.top_k
+        logits = h.to(self.state_dtype) @ moe.router.T
+        probs = torch.softmax(logits.float(), dim=-1)
+        top, chosen = torch.topk(probs, k, dim=-1)
+        if experts.renormalise:
+            top = top / top.sum(dim=-1, keepdim=True)
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pairs, expert by expert
+        pairs = h[order // k]
+        if self._fixed_shapes and moe.stacked is not None:
+            done = self._experts_padded(pairs, flat, order, experts, moe.stacked)
+        else:
+            done = torch.empty(rows * k, h.shape[1], dtype=self.state_dtype, device=h.device)
+            start = 0
+            for expert, count in enumerate(torch.bincount(flat, minlength=experts.count).tolist()):
+                if count:
+                    span = slice(start, start + count)
+                    up, down = moe.gate_up[expert], moe.down[expert]
+                    done[order[span]] = self._gated(pairs[span], up, down, experts.activation)
+                    start += count
+        weighed = done.view(rows, k, -1) * top.to(self.state_dtype)[:, :, None]
+        return weighed.sum(dim=1)
+
+    def _experts_padded(
+        self,
+        pairs: torch.Tensor,
+        flat: torch.Tensor,
+        order: torch.Tensor,
+        experts: Experts,
+        stacked: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """The experts of the sorted `pairs` in two batched products of fixed shapes: each
+        expert takes `rows` slots (a row picks an expert at most once), its own pairs
+        first, zero rows after -> results [pairs, hidden] in the pairs' first order."""
+        count, total = experts.count, flat.shape[0]
+        device = pairs.device
+        per_expert = torch.zeros(count, dtype=flat.dtype, device=device)
+        per_expert.scatter_add_(0, flat, torch.ones_like(flat))
+        starts = torch.cumsum(per_expert, 0) - per_expert
+        by_expert = flat[order]
+        within = torch.arange(total, device=device) - starts[by_expert]
+        # slot [expert, i]: the sorted pair there, or `total` (a zero row: padding)
+        where = torch.full((count, total // experts.top_k), total, dtype=flat.dtype, device=device)
+        where[by_expert, within] = torch.arange(total, device=device)
+        gate_up, down = stacked
+        inputs = torch.cat([pairs, pairs.new_zeros(1, pairs.shape[1])])[where]
+        hidden = self._activate(torch.bmm(inputs, gate_up.transpose(1, 2)), experts.activation)
+        out = torch.bmm(hidden, down.transpose(1, 2)).to(self.state_dtype)
+        done = out.new_zeros(total + 1, out.shape[-1])  # the last row takes the padding's
+        targets = torch.cat([order, order.new_full((1,), total)])[where]
+        done[targets.flatten()] = out.flatten(0, 1)
+        return done[:total]
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.fused:
@@ -699,28 +830,53 @@ class _Shipped:
         self.checkpoint = checkpoint
         self.library = load()
         self.sources: Counter[str] = Counter()
-        self._parts: dict[tuple[str, int], Part] = {}
+        self._parts: dict[tuple[str, int, int | None], Part] = {}
 
-    def part(self, name: str, bits: int) -> Part:
-        """`name`'s matrix, packed once however many products use it."""
+    def part(self, name: str, bits: int, expert: int | None = None) -> Part:
+        """`name`'s matrix (or expert `expert`'s of a stacked tensor), packed once however
+        many products use it."""
         from adapters.engine.ggml_blocks import FALLBACK, pack_blocks, shippable
         from adapters.engine.native import Part, quantized_part
 
-        key = (name, bits)
+        key = (name, bits, expert)
         if key in self._parts:
             return self._parts[key]
-        type_name, raw, (rows, cols) = self.checkpoint.blocks(name)
+        checkpoint = self.checkpoint
+        if expert is None:
+            type_name, raw, (rows, cols) = checkpoint.blocks(name)
+        else:
+            type_name, raw, (rows, cols) = checkpoint.expert_blocks(name, expert)
         if shippable(type_name, cols):
             packed, kind = pack_blocks(type_name, raw, rows, cols, self.library.tile)
             part = Part(packed, kind, rows, cols, f"{type_name} as shipped")
-            self.checkpoint.done_with(name)
+            if expert is None:
+                checkpoint.done_with(name)
         else:
             wide = 8 if type_name in self.WIDER else bits
-            part = quantized_part(self.checkpoint.tensor(name).float(), wide, self.library.tile)
+            weight = checkpoint.tensor(name) if expert is None else checkpoint.expert(name, expert)
+            part = quantized_part(weight.float(), wide, self.library.tile)
             part = replace(part, source=f"{type_name} -> {FALLBACK.replace('8', str(wide))}")
         self.sources[part.source] += 1
         self._parts[key] = part
         return part
+
+    def expert_product(
+        self, names: ExpertTensors, expert: int, which: Sequence[int], scale: float
+    ) -> NativeProduct:
+        """One expert's gate|up (which (0, 1)) or down ((2,)) from a GGUF's tensors stacked
+        over the experts: each expert's slice of blocks packed as a matrix is."""
+        from adapters.engine.native import NativeProduct
+
+        parts = []
+        for kind in which:
+            name = names.stacked[kind]
+            if not self.checkpoint.has(name):
+                raise CheckpointError(
+                    f"{self.checkpoint.source}: no {name!r} (experts stacked, as llama.cpp "
+                    "writes them; a file with one tensor per expert is not read)"
+                )
+            parts.append(replace(self.part(name, 4, expert), scale=scale))
+        return NativeProduct(library=self.library, parts=parts)
 
     def product(
         self, names: Sequence[str], scales: Sequence[float], bits: int = 4
@@ -839,7 +995,8 @@ def _load(
                 o_bias = o_bias * residual if o_bias is not None else None
                 down_bias = down_bias * residual if down_bias is not None else None
             gate_up_bias = rows(where.gate_up_bias).to(state) if where.gate_up_bias else None
-            products: tuple[Projection, Projection, Projection, Projection]
+            products: tuple[Projection, Projection, Projection | None, Projection | None]
+            has_mlp = layer.mlp is not None  # else only experts
             if packer is not None:  # each tensor as shipped, scales on the outputs
                 if len(where.qkv) == 1 and q_scale != 1.0:
                     qkv_product = packer.fused_qkv(where.qkv[0], q_size, q_scale)
@@ -849,23 +1006,29 @@ def _load(
                 products = (
                     qkv_product,
                     packer.product([where.o], [residual]),
-                    packer.product(where.gate_up, [1.0] * len(where.gate_up)),
-                    packer.product([where.down], [residual]),
+                    packer.product(where.gate_up, [1.0] * len(where.gate_up)) if has_mlp else None,
+                    packer.product([where.down], [residual]) if has_mlp else None,
                 )
             else:
                 qkv = rows(where.qkv)
                 if q_scale != 1.0:  # out of place, as the bias
                     qkv = torch.cat([qkv[:q_size] * q_scale, qkv[q_size:]])
-                o, down = read(where.o), read(where.down)
+                o, down = read(where.o), read(where.down) if has_mlp else None
                 if residual != 1.0:
-                    o, down = o * residual, down * residual
+                    o, down = o * residual, down * residual if down is not None else None
                 products = (
                     projection(qkv, fmt),
                     projection(o, fmt),
-                    projection(rows(where.gate_up), fmt),
-                    projection(down, fmt),
+                    projection(rows(where.gate_up), fmt) if has_mlp else None,
+                    projection(down, fmt) if down is not None else None,
                 )
                 del qkv, o, down
+            moe = None
+            if layer.experts is not None:
+                if where.experts is None:
+                    raise CheckpointError(f"{checkpoint.source}: no expert tensors named")
+                moe = _experts(checkpoint, where.experts, layer.experts, fmt, residual, state,
+                               packer, device)  # fmt: skip
             layers.append(
                 LayerWeights(
                     *products,
@@ -879,8 +1042,87 @@ def _load(
                     down_bias=down_bias,
                     q_norm=q_norm,
                     k_norm=k_norm,
+                    moe=moe,
                 )
             )
             return_freed_heap()  # each layer's temporaries, before the next layer's
     sources = packer.sources if packer is not None else Counter()
     return table, final, lm_head, layers, sources
+
+
+def _experts(
+    checkpoint: Any,
+    names: ExpertTensors,
+    experts: Experts,
+    fmt: str,
+    residual: float,
+    state: torch.dtype,
+    packer: _Shipped | None,
+    device: torch.device,
+) -> MoeWeights:
+    """A mixture's weights, expert by expert (each read, converted and let go before the
+    next): the router and a shared expert's gate in the state dtype; each expert's
+    gate|up and down in `fmt` (a GGUF's blocks as shipped under w4a16), the residual
+    multiplier on down. Dense formats keep the experts stacked, and each expert's
+    products are views of the stack."""
+    router_name = first_present(checkpoint, names.router)
+    if router_name is None:
+        raise CheckpointError(f"{checkpoint.source}: no router ({names.router[0]!r})")
+    router = checkpoint.tensor(router_name).to(device=device, dtype=state)
+    if router.shape[0] != experts.count:
+        raise CheckpointError(
+            f"{checkpoint.source}: {router_name} routes to {router.shape[0]} experts, "
+            f"the config says {experts.count}"
+        )
+    shared_gate = None
+    gate_up: list[Projection]
+    down: list[Projection]
+    if names.shared_gate is not None:
+        shared_gate = checkpoint.tensor(names.shared_gate).to(device=device, dtype=state)
+        shared_gate = shared_gate.reshape(-1)
+    if packer is not None:
+        gate_up = [packer.expert_product(names, e, (0, 1), 1.0) for e in range(experts.count)]
+        down = [packer.expert_product(names, e, (2,), residual) for e in range(experts.count)]
+        for name in names.stacked:  # packed: their pages leave the resident set
+            checkpoint.done_with(name)
+        return MoeWeights(router, gate_up, down, None, shared_gate)
+
+    def matrix(which: int, index: int) -> torch.Tensor:
+        return expert_matrix(checkpoint, names, which, index).to(device, torch.float32)
+
+    if fmt in ("fp32", "bf16"):
+        dtype = activation_dtype(fmt)
+        stacked = _stacked_as_held(checkpoint, names, dtype, device) if residual == 1.0 else None
+        if stacked is not None:  # transformers' own layout already: no copy
+            gate_up = [projection(stacked[0][e], fmt) for e in range(experts.count)]
+            down = [projection(stacked[1][e], fmt) for e in range(experts.count)]
+            return MoeWeights(router, gate_up, down, stacked, shared_gate)
+        hidden, width = matrix(2, 0).shape
+        stacked_up = torch.empty(experts.count, 2 * width, hidden, dtype=dtype, device=device)
+        stacked_down = torch.empty(experts.count, hidden, width, dtype=dtype, device=device)
+        for e in range(experts.count):
+            stacked_up[e, :width] = matrix(0, e)
+            stacked_up[e, width:] = matrix(1, e)
+            stacked_down[e] = matrix(2, e) * residual if residual != 1.0 else matrix(2, e)
+        gate_up = [projection(stacked_up[e], fmt) for e in range(experts.count)]
+        down = [projection(stacked_down[e], fmt) for e in range(experts.count)]
+        return MoeWeights(router, gate_up, down, (stacked_up, stacked_down), shared_gate)
+    gate_up, down = [], []
+    for e in range(experts.count):
+        gate_up.append(projection(torch.cat([matrix(0, e), matrix(1, e)]), fmt))
+        down.append(projection(matrix(2, e) * residual, fmt))
+    return MoeWeights(router, gate_up, down, None, shared_gate)
+
+
+def _stacked_as_held(
+    checkpoint: Any, names: ExpertTensors, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A model built in this process whose experts are already the stacked layout the
+    fixed-shape step takes (transformers' gate|up [experts, 2 x width, hidden] and down),
+    in `dtype` on `device`: those tensors themselves, else None."""
+    gate_up, down = names.fused
+    if not (checkpoint.has(gate_up) and checkpoint.has(down)):
+        return None
+    both, out = checkpoint.tensor(gate_up), checkpoint.tensor(down)
+    fits = all(t.dtype == dtype and t.device == device and t.is_contiguous() for t in (both, out))
+    return (both, out) if fits else None

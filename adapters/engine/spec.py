@@ -12,8 +12,10 @@ data and a name table, not a copy of the forward.
 Multipliers that are one constant per model (an embedding scale, residual and
 logit multipliers, the attention scale, Gemma's 1 + w norm weights) are folded
 into the weights when they are loaded (runner.py says how), so the forward
-itself never multiplies by them. The MLP is a field of the layer so that a
-mixture of experts can take its place.
+itself never multiplies by them. A layer's feed-forward part is a gated MLP, or a
+mixture of experts (`Experts`: a router picks each row's top-k of many gated
+MLPs and weighs their outputs), with or beside a shared MLP (Qwen2-MoE's shared
+expert, whose output a sigmoid gate scales).
 """
 
 from __future__ import annotations
@@ -49,15 +51,32 @@ class Mlp:
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A mixture of experts: router logits (a [count, hidden] product), their softmax, the
+    top_k largest (ties: the lower expert), divided by their sum where `renormalise`
+    says; each chosen expert's gated MLP (`intermediate` wide) times its weight,
+    summed. `shared_gate`: the layer's MLP is a shared expert every row runs, its
+    output times sigmoid(a [1, hidden] product)."""
+
+    count: int
+    top_k: int
+    intermediate: int
+    renormalise: bool
+    activation: Activation = "silu"
+    shared_gate: bool = False
+
+
+@dataclass(frozen=True)
 class Layer:
     attention: Attention
-    mlp: Mlp
+    mlp: Mlp | None  # None: only experts (then `experts` is set)
     # RMSNorms: before attention and before the MLP (Llama), and/or on their outputs
     # before the residual add (Gemma 2/3 have all four, OLMo 2 only the latter).
     pre_attention: bool = True
     post_attention: bool = False
     pre_mlp: bool = True
     post_mlp: bool = False
+    experts: Experts | None = None
 
 
 @dataclass(frozen=True)
@@ -95,7 +114,7 @@ class ModelSpec:
         not run): names a backend's `problem` check looks for."""
         found: set[str] = set()
         for layer in self.layers:
-            a, m = layer.attention, layer.mlp
+            a, m, e = layer.attention, layer.mlp, layer.experts
             found |= {name for name, used in (
                 ("window", a.window is not None),
                 ("softcap", a.softcap is not None),
@@ -104,8 +123,10 @@ class ModelSpec:
                 ("qkv_bias", a.qkv_bias),
                 ("o_bias", a.o_bias),
                 ("no_rotary", a.rotary is None),
-                ("mlp_bias", m.bias),
-                ("gelu_tanh", m.activation == "gelu_tanh"),
+                ("mlp_bias", m is not None and m.bias),
+                ("gelu_tanh", m is not None and m.activation == "gelu_tanh"),
+                ("experts", e is not None),
+                ("shared_expert", e is not None and m is not None),
                 ("post_norms", layer.post_attention or layer.post_mlp),
                 ("no_pre_norms", not (layer.pre_attention and layer.pre_mlp)),
             ) if used}  # fmt: skip
@@ -136,6 +157,23 @@ class LayerTensors:
     post_mlp: str | None = None
     q_norm: str | None = None
     k_norm: str | None = None
+    experts: ExpertTensors | None = None  # gate_up and down are then the shared expert's
+
+
+@dataclass(frozen=True)
+class ExpertTensors:
+    """Where a mixture's tensors are. Each expert's gate, up and down matrices are found
+    as a checkpoint holds them (checkpoint.expert_matrix): one tensor per expert as
+    saved (`per_expert`, with `{e}` for its number: Hugging Face's files), else one
+    3-D tensor per kind stacked over the experts (`stacked`: a GGUF's ffn_gate_exps,
+    under the Hugging Face module name gguf's table maps), else transformers' own
+    in-memory layout (`fused`: gate|up [experts, 2 * width, hidden], down)."""
+
+    router: tuple[str, ...]  # the first the checkpoint has (Mixtral's in memory: mlp.gate)
+    per_expert: tuple[str, str, str]  # gate, up, down
+    stacked: tuple[str, str, str]
+    fused: tuple[str, str]
+    shared_gate: str | None = None
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from adapters.engine.families import gemma, granite, llama, olmo2, phi3, qwen
+from adapters.engine.families import gemma, granite, llama, moe, olmo2, phi3, qwen
 from adapters.engine.families.base import Family, UnsupportedModel
 
 FAMILIES: tuple[Family, ...] = (
@@ -29,6 +29,9 @@ FAMILIES: tuple[Family, ...] = (
     phi3.FAMILY,
     granite.FAMILY,
     olmo2.FAMILY,
+    moe.QWEN3_MOE,
+    moe.QWEN2_MOE,
+    moe.MIXTRAL,
 )
 
 __all__ = ["FAMILIES", "Family", "UnsupportedModel", "family_for", "supported_model_types"]

@@ -204,6 +204,7 @@ def llama_names(
             if fused
             else (f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight")
         )
+        norms: dict[str, Any]
         if gemma_norms:
             norms = dict(
                 pre_attention=f"{at}input_layernorm.weight",
