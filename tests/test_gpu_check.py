@@ -47,6 +47,19 @@ def test_the_device_check_runs_on_cpu_and_reports_everything(
     assert "sections failed: none" in out
 
 
+def test_the_mixture_shape_runs_its_checks_and_speeds(capsys: pytest.CaptureFixture[str]) -> None:
+    """The Qwen3-MoE shapes (a lent device runs --shapes tiny-moe,qwen3-30b-a3b): the
+    experts' 3-D parameters built and read, fp32 greedy equal to HF's."""
+    args = [*TINY, "--skip", "compile,eager,generate_batch,burst"]
+    code = _script().main([*(a if a != "tiny" else "tiny-moe" for a in args)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "fp32 greedy equals HF generate over 64 tokens: 4/4" in out
+    assert "decode static (gather attention) = eager decode, fp32 greedy: 4/4" in out
+    assert "| fencepost, 4 streams" in out and "tiny-moe shape" in out
+    assert "sections failed: none" in out
+
+
 def test_no_budget_skips_every_part_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     code = _script().main([*TINY, "--budget-s", "0"])
     out = capsys.readouterr().out
