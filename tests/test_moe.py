@@ -95,9 +95,10 @@ def test_a_rows_bits_are_the_same_alone_and_beside_rows_sharing_its_experts(case
 
 def moe_gguf(path: Path, types: dict[str, str], arch: str = "qwen3moe", experts: int = 8) -> Any:
     """A 2-layer mixture of random blocks, experts stacked, and its config: Qwen3-MoE
-    (arch qwen3moe), or Mixtral as llama.cpp writes it (arch llama: its q and k rows
-    permuted, no q/k norms)."""
-    from transformers import MixtralConfig, Qwen3MoeConfig
+    (arch qwen3moe), Qwen2-MoE (qwen2moe: q/k/v biases and a shared expert with its
+    gate), or Mixtral as llama.cpp writes it (arch llama: its q and k rows permuted, no
+    q/k norms)."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     hidden, width, heads, kv_heads, head_dim, vocab = 256, 256, 4, 2, 64, 300
     sizes = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=2,
@@ -105,6 +106,10 @@ def moe_gguf(path: Path, types: dict[str, str], arch: str = "qwen3moe", experts:
                  num_experts_per_tok=2, max_position_embeddings=128)  # fmt: skip
     if arch == "llama":
         config = MixtralConfig(**sizes, intermediate_size=width, num_local_experts=experts)
+    elif arch == "qwen2moe":
+        config = Qwen2MoeConfig(**sizes, intermediate_size=512, moe_intermediate_size=width,
+                                shared_expert_intermediate_size=width, num_experts=experts,
+                                norm_topk_prob=False)  # fmt: skip
     else:
         config = Qwen3MoeConfig(**sizes, intermediate_size=512, moe_intermediate_size=width,
                                 num_experts=experts, norm_topk_prob=True)  # fmt: skip
@@ -116,10 +121,30 @@ def moe_gguf(path: Path, types: dict[str, str], arch: str = "qwen3moe", experts:
                     (f"{at}.attn_k.weight", "Q4_K", kv_heads * head_dim, hidden),
                     (f"{at}.attn_v.weight", "Q6_K", kv_heads * head_dim, hidden),
                     (f"{at}.attn_output.weight", "Q4_K", hidden, heads * head_dim)]  # fmt: skip
+        if arch == "qwen2moe":  # the shared expert, as llama.cpp names it
+            entries += [(f"{at}.ffn_gate_shexp.weight", "Q4_K", width, hidden),
+                        (f"{at}.ffn_up_shexp.weight", "Q4_K", width, hidden),
+                        (f"{at}.ffn_down_shexp.weight", "Q6_K", hidden, width)]  # fmt: skip
     entries += [("output_norm.weight",), ("output.weight", "Q6_K", vocab, hidden)]
-    extra = _moe_tensors(types, experts, hidden, width, head_dim if arch != "llama" else None)
+    extra = _moe_tensors(types, experts, hidden, width, head_dim if arch == "qwen3moe" else None)
+    if arch == "qwen2moe":
+        extra += _qwen2_extras(hidden, heads * head_dim, kv_heads * head_dim)
     write_gguf(path, arch, hidden, entries, seed=1, extra=extra)
     return config
+
+
+def _qwen2_extras(hidden: int, q_size: int, kv_size: int) -> list[tuple[str, np.ndarray, Any]]:
+    """Each layer's q/k/v biases and the shared expert's gate vector."""
+    rng = np.random.default_rng(3)
+    out: list[tuple[str, np.ndarray, Any]] = []
+    for layer in range(2):
+        at = f"blk.{layer}"
+        for name, size in (("attn_q", q_size), ("attn_k", kv_size), ("attn_v", kv_size)):
+            bias = (0.2 * rng.standard_normal(size)).astype(np.float32)
+            out.append((f"{at}.{name}.bias", bias, None))
+        gate = (0.5 * rng.standard_normal(hidden)).astype(np.float32)
+        out.append((f"{at}.ffn_gate_inp_shexp.weight", gate, None))
+    return out
 
 
 def _moe_tensors(types: dict[str, str], experts: int, hidden: int, width: int,
@@ -147,7 +172,7 @@ def _moe_tensors(types: dict[str, str], experts: int, hidden: int, width: int,
 
 
 @pytest.mark.parametrize(("arch", "down"), [("qwen3moe", "Q6_K"), ("qwen3moe", "Q5_0"),
-                                           ("llama", "Q6_K")])  # fmt: skip
+                                           ("qwen2moe", "Q6_K"), ("llama", "Q6_K")])  # fmt: skip
 def test_a_gguf_mixture_runs_as_shipped_and_predicts_what_its_dequantised_weights_do(
     tmp_path: Path, arch: str, down: str
 ) -> None:
@@ -170,13 +195,16 @@ def test_a_gguf_mixture_runs_as_shipped_and_predicts_what_its_dequantised_weight
     assert torch.equal(got.argmax(dim=-1), fp32.argmax(dim=-1))
 
 
-def test_a_gguf_mixture_reads_as_transformers_own_gguf_loader_reads_it(tmp_path: Path) -> None:
-    """The experts' slices, gate and up, and the router as transformers maps the file
-    (its loader dequantizes the stacked tensors into its own expert layout)."""
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+def test_a_gguf_mixture_reads_as_transformers_own_gguf_loader_reads_it(
+    tmp_path: Path, arch: str
+) -> None:
+    """The experts' slices, gate and up, the router and a shared expert as transformers
+    maps the file (its loader dequantizes the stacked tensors into its own layout)."""
     import transformers
 
     path = tmp_path / "moe.gguf"
-    config = moe_gguf(path, {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"})
+    config = moe_gguf(path, {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}, arch)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file=path.name, config=config, dtype=torch.float32
     ).eval()
