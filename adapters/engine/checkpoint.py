@@ -213,18 +213,9 @@ class GgufCheckpoint:
 
     def expert(self, name: str, index: int) -> torch.Tensor:
         """Expert `index`'s matrix of a stacked tensor, dequantized (that one only)."""
-        import gguf
-
-        type_name, data, (rows, cols) = self.expert_blocks(name, index)
-        out = torch.empty(rows, cols, dtype=torch.float32)
-        kind = self._tensors[self._require(name)].tensor_type
-        target = out.numpy()
-        for first in range(0, rows, DEQUANTIZE_ROWS):
-            part = data[first : first + DEQUANTIZE_ROWS]
-            target[first : first + DEQUANTIZE_ROWS] = gguf.dequantize(part, kind).reshape(
-                part.shape[0], -1
-            )
-        del type_name
+        _, data, shape = self.expert_blocks(name, index)
+        out = torch.empty(shape, dtype=torch.float32)
+        _dequantize_rows(data, self._tensors[self._require(name)].tensor_type, out.numpy())
         return out
 
     def done_with(self, name: str) -> None:
@@ -257,13 +248,8 @@ class GgufCheckpoint:
         data, kind = tensor.data, tensor.tensor_type
         if data.ndim == 1:  # a vector: small
             out.view(-1).numpy()[:] = gguf.dequantize(data, kind).reshape(-1)
-        else:  # rows of blocks, a bounded number at a time (their temporaries)
-            target = out.numpy().reshape(data.shape[0], -1)
-            for first in range(0, data.shape[0], DEQUANTIZE_ROWS):
-                part = data[first : first + DEQUANTIZE_ROWS]
-                target[first : first + DEQUANTIZE_ROWS] = gguf.dequantize(part, kind).reshape(
-                    part.shape[0], -1
-                )
+        else:
+            _dequantize_rows(data, kind, out.numpy().reshape(data.shape[0], -1))
         self._drop_pages(int(tensor.data_offset), int(tensor.n_bytes))
         heads = self._permuted_heads(name)
         if heads is not None:
@@ -276,6 +262,18 @@ class GgufCheckpoint:
 # Rows dequantized at a time: gguf's dequantizers make several temporaries of their
 # input's size, which for a whole 49k-row head is over a GB.
 DEQUANTIZE_ROWS = 4096
+
+
+def _dequantize_rows(data: Any, kind: Any, target: Any) -> None:
+    """Rows of blocks into `target` (numpy, [rows, ...]), a bounded number at a time
+    (gguf's temporaries)."""
+    import gguf
+
+    for first in range(0, data.shape[0], DEQUANTIZE_ROWS):
+        part = data[first : first + DEQUANTIZE_ROWS]
+        target[first : first + DEQUANTIZE_ROWS] = gguf.dequantize(part, kind).reshape(
+            part.shape[0], -1
+        )
 
 
 def _unpermute(weight: Any, heads: int) -> Any:
