@@ -643,8 +643,10 @@ class Runner:
         h = self._norm(x, weights.pre_mlp) if weights.pre_mlp is not None else x.to(self.dtype)
         out: torch.Tensor | None = None
         if weights.gate_up is not None and weights.down is not None:  # an MLP, or shared expert
-            activation = layer.mlp.activation if layer.mlp is not None else "silu"
-            out = self._gated(h, weights.gate_up, weights.down, activation, weights.gate_up_bias)
+            assert layer.mlp is not None
+            out = self._gated(
+                h, weights.gate_up, weights.down, layer.mlp.activation, weights.gate_up_bias
+            )
             moe = weights.moe
             if moe is not None and moe.shared_gate is not None:
                 out = out * torch.sigmoid(h.to(self.state_dtype) @ moe.shared_gate)[:, None]
@@ -1097,7 +1099,7 @@ def _experts(
             gate_up = [projection(stacked[0][e], fmt) for e in range(experts.count)]
             down = [projection(stacked[1][e], fmt) for e in range(experts.count)]
             return MoeWeights(router, gate_up, down, stacked, shared_gate)
-        hidden, width = matrix(2, 0).shape
+        hidden, width = router.shape[1], experts.intermediate
         stacked_up = torch.empty(experts.count, 2 * width, hidden, dtype=dtype, device=device)
         stacked_down = torch.empty(experts.count, hidden, width, dtype=dtype, device=device)
         for e in range(experts.count):
