@@ -16,10 +16,13 @@ Token EOS_TOKEN (0) ends a sequence; it comes up about once in EOS_ONE_IN
 tokens. Other tokens are 1..VOCAB-1.
 
 For a request that asks for logprobs, each token comes with a fake record
-(FakeContext.record): a pure function of the same context that fixes the
-token, so every attempt and every continuation agrees on it too. The numbers
-are made up (they are not a distribution): the top entries descend strictly
-and have distinct ids, which is all a client of the fake can rely on.
+(FakeContext.record). As a real model's log probabilities are, it is a pure
+function of what the model reads, the prompt and the output before k, and of
+the token it scores; never of the seed or the salt, which only draw. So two
+attempts of an unseeded request that reach the same position with the same
+tokens give the same record, whichever attempt drew it. The numbers are made
+up (they are not a distribution): the top entries descend strictly and have
+distinct ids, which is all a client of the fake can rely on.
 """
 
 from __future__ import annotations
@@ -40,18 +43,23 @@ _MASK = (1 << 64) - 1
 
 
 class FakeContext:
-    """The fake model's state: prompt, seed and salt, then each output token fed back."""
+    """The fake model's state, two hashes fed the same tokens: `state` (prompt, seed and
+    salt, then each output token) draws the next token; `reads` (prompt and output
+    only) is what the model reads, and fixes the logprob records."""
 
-    __slots__ = ("index", "state")
+    __slots__ = ("index", "reads", "state")
 
     def __init__(
         self, request: GenerationRequest, salt: int = 0, prefix: tuple[int, ...] | None = None
     ) -> None:
         mix = 0x9E3779B97F4A7C15 ^ (request.sampling.seed or 0) & _MASK
         mix = ((mix ^ salt) * 0x100000001B3) & _MASK
+        reads = 0x9E3779B97F4A7C15
         for token in request.prompt_token_ids:
             mix = ((mix ^ token) * 0x100000001B3) & _MASK
+            reads = ((reads ^ token) * 0x100000001B3) & _MASK
         self.state = mix
+        self.reads = reads
         self.index = 0
         for token in request.output_prefix if prefix is None else prefix:
             self.feed(token)
@@ -63,8 +71,9 @@ class FakeContext:
         return EOS_TOKEN if mix % EOS_ONE_IN == 0 else 1 + mix % (VOCAB - 1)
 
     def record(self, token: int, top: int) -> TokenLogprob:
-        """The fake logprob record of `token` at `index`, with `top` alternatives."""
-        mix = ((self.state ^ self.index ^ (token << 32)) * 0xC2B2AE3D27D4EB4F) & _MASK
+        """The fake logprob record of `token` at `index`, with `top` alternatives: of the
+        context alone, so every draw that reaches it agrees."""
+        mix = ((self.reads ^ self.index ^ (token << 32)) * 0xC2B2AE3D27D4EB4F) & _MASK
         mix ^= mix >> 31
         base = (mix & 0xFFFF) / 65536.0  # in [0, 1)
         alternatives = tuple(
@@ -74,6 +83,7 @@ class FakeContext:
 
     def feed(self, token: int) -> None:
         self.state = ((self.state ^ (token + 1)) * 0x100000001B3) & _MASK
+        self.reads = ((self.reads ^ (token + 1)) * 0x100000001B3) & _MASK
         self.index += 1
 
 

@@ -112,13 +112,18 @@ DECODER_FAULTS = frozenset({"decoder_failure", "decoder_misbehaves"})
 # stuck (besides a worker the swarm made slow): a hung decoder, a stalled process, a pool
 # out of blocks (a preemption, or a sequence waiting for blocks with a row free).
 PROGRESS_STOPS = frozenset({"decoder_hang", "stall", "kv_pressure"})
+# What cuts a worker's link to the router (one way or both): while it lasts, a token that
+# was lost or dropped after a gap cannot be asked for again, so an attempt may miss its
+# deadline with the decoder running. It calls the worker stuck rightly only when the cut
+# lasted through the whole missed deadline (bar one network delay).
+LINK_CUTS = frozenset({"partition", "blackout"})
 # What stops a worker's heartbeats from reaching the router for a while (a lost or late
 # one only costs an interval: the next one comes).
 HEARTBEAT_STOPS = frozenset({"stall", "partition", "blackout", "crash", "drain", "impostor"})
 
-# Which fault kinds (or run events: "attempt_lost", "resend", "overtake") can move each fence
-# counter. A counter above zero in a run that had none of them is a bug; an empty
-# set means only a bug can move it. Counters not listed (router.late,
+# Which fault kinds (or run events: "attempt_lost", "resend", "overtake", "handoff_back")
+# can move each fence counter. A counter above zero in a run that had none of them is a
+# bug; an empty set means only a bug can move it. Counters not listed (router.late,
 # router.duplicate_result) also move in a run without faults. REORDERING: the faults
 # that deliver a message after later ones, or twice (a stalled worker's inbox is
 # delivered when it resumes, and a heal that ends the stall early can reorder it), and
@@ -136,7 +141,12 @@ FENCE_CAUSES: dict[str, frozenset[str]] = {
     # draining worker sends one.
     "router.stale_handoff": frozenset({"drain"}),
     "router.duplicate": frozenset({"duplicate", "replay", "resend"}),
-    "router.gap": frozenset({"loss", "late", "partition", "blackout", "delay_spread"}),
+    # Also a handoff gone back: while the continuation was offered, the draining worker's
+    # tokens were stale and dropped, so its next one after the stream comes back lies
+    # past them (the Resend the router sends on taking it back asks for them again).
+    "router.gap": frozenset(
+        {"loss", "late", "partition", "blackout", "delay_spread", "handoff_back"}
+    ),
     "router.stale_heartbeat": REORDERING | {"crash", "drain"},
     "router.orphan": REORDERING | {"attempt_lost", "client_cancel"},
     "router.unknown_epoch": frozenset({"future_epoch"}),
@@ -214,6 +224,18 @@ class Disturbances:
             if float(start) <= until and float(end) + self.grace_s >= since:
                 return True
         return False
+
+    def covers(self, worker_id: str, since: float, until: float, kinds: Iterable[str]) -> bool:
+        """Did disturbances of this worker of these kinds last through all of [since, until]
+        (one after another, overlapping or touching)?"""
+        wanted = frozenset(kinds)
+        reached = since
+        for start, end, kind in sorted(
+            (float(i[0]), float(i[1]), i[2]) for i in self._intervals.get(worker_id, ())
+        ):
+            if kind in wanted and start <= reached:
+                reached = max(reached, end)
+        return reached >= until
 
     def quiet_since(self, worker_id: str) -> float:
         """When the worker's last disturbance so far ended (-inf: never disturbed)."""
@@ -438,7 +460,8 @@ class Oracles:
     def _check_stuck(self, worker_id: str, event: RouterEvent, now: float) -> None:
         """The router calls a worker stuck only when its decoder really stopped (or was
         slowed) while the attempt's deadline ran: a hang, a stall, a pool out of
-        blocks, or a worker the swarm made slow."""
+        blocks, or a worker the swarm made slow; or when its link was cut all that
+        while, so that what went missing could not be asked for again."""
         disturbances = self.disturbances
         if disturbances is None or worker_id in disturbances.slow:
             return
@@ -450,7 +473,9 @@ class Oracles:
             for attempt in tally.attempts if tally else ():
                 if attempt.assignment == assignment:
                     since = attempt.progress_at
-        if not disturbances.explains(worker_id, since, now, PROGRESS_STOPS):
+        if disturbances.explains(worker_id, since, now, PROGRESS_STOPS):
+            return
+        if not disturbances.covers(worker_id, since + disturbances.delay_max_s, now, LINK_CUTS):
             self._violation(
                 f"router moved {worker_id} to stuck at {now:.4f}, and its decoder was "
                 f"neither hung, stalled, short of blocks nor slow since {since:.4f}"
@@ -882,6 +907,8 @@ class Oracles:
             causes.add("attempt_lost")
         if self.cluster.resends():
             causes.add("resend")
+        if self.cluster.handoffs()[1]:
+            causes.add("handoff_back")
         for reason, count in sorted(fenced.items()):
             allowed = FENCE_CAUSES.get(reason)
             if count and allowed is not None and not allowed & causes:

@@ -4,9 +4,11 @@ A ClientStream is one client's side of a request: the tokens it received, in
 order, and its outcome. StreamOracles judges each delivery as the router makes
 it: a token must take the next index and be one the fake model gives that
 request (for some attempt it may come from: unseeded requests draw per
-attempt, and a resume continues a prefix), with the logprob record that token
-carries; a finish must match a reference output and count every token; an
-error must be one the contract allows at that point. It only reads the
+attempt, and a resume continues a prefix), with the logprob record the fake
+model gives that token after the tokens the client already has (one record,
+whichever attempt drew the token: a record is the model's, not the draw's); a
+finish must match a reference output and count every token; an error must be
+one the contract allows at that point. It only reads the
 cluster, through StreamView (the few figures that bound what is allowed), and
 keeps its own list of violations, which the cluster's check_safety raises.
 """
@@ -42,9 +44,10 @@ class ClientStream:
     tokens: list[int] = field(default_factory=list)
     outcome: DeliverFinished | DeliverError | None = None
     cancel_requested: bool = False
-    # By salt: the fake model's context before the next token, to compute the logprob
-    # record each delivered token must carry (requests that ask for logprobs only).
-    contexts: dict[int, FakeContext] = field(default_factory=dict)
+    # The fake model's context before the next token (prompt and what the client has),
+    # to compute the one logprob record each delivered token must carry (requests that
+    # ask for logprobs only). Any salt reads the same; salt 0 is as good as any.
+    context: FakeContext | None = None
     cut: bool = False  # its router died before an outcome: the client saw the connection drop
 
 
@@ -134,20 +137,17 @@ class StreamOracles:
                 stream.outcome = effect
 
     def _record_matches(self, stream: ClientStream, token: DeliverToken) -> bool:
-        """Does the token carry the record the fake model gives it in its context (for
-        some salt it may come from; across resumes too), or none if none was asked?"""
+        """Does the token carry the record the fake model gives it after the tokens the
+        client has (across resumes too), or none if none was asked?"""
         top = stream.request.logprobs
         if top is None:
             return token.logprob is None
-        found = False
-        for salt in stream.references:
-            context = stream.contexts.get(salt)
-            if context is None or context.index != token.index:
-                context = FakeContext(stream.request, salt, tuple(stream.tokens))
-            found = found or context.record(token.token_id, top) == token.logprob
-            context.feed(token.token_id)
-            stream.contexts[salt] = context
-        return found
+        context = stream.context
+        if context is None or context.index != token.index:
+            context = stream.context = FakeContext(stream.request, 0, tuple(stream.tokens))
+        expected = context.record(token.token_id, top)
+        context.feed(token.token_id)
+        return expected == token.logprob
 
     def _error_allowed(self, stream: ClientStream, kind: str) -> bool:
         """The contract: which error outcomes a client may see, and when."""

@@ -5,8 +5,21 @@ from __future__ import annotations
 import pytest
 
 from core.decoding import Generation, stop_reason
-from core.fake_model import EOS_TOKEN, FakeDecode, reference_output, reference_tokens
-from core.protocol import Assignment, Decoded, DecodeDone, DecoderEvent, GenerationRequest
+from core.fake_model import (
+    EOS_TOKEN,
+    FakeContext,
+    FakeDecode,
+    reference_output,
+    reference_tokens,
+)
+from core.protocol import (
+    Assignment,
+    Decoded,
+    DecodeDone,
+    DecoderEvent,
+    GenerationRequest,
+    Sampling,
+)
 
 A = Assignment("r", 1)
 
@@ -85,3 +98,23 @@ def test_a_salt_changes_the_draw_and_a_seed_fixes_it() -> None:
     request = GenerationRequest("r", (5, 6, 7), 50)
     assert reference_tokens(request, 50, salt=1) != reference_tokens(request, 50, salt=2)
     assert reference_tokens(request, 50, salt=1) == reference_tokens(request, 50, salt=1)
+
+
+def test_a_record_is_the_contexts_whichever_draw_reaches_it() -> None:
+    """As a real model's logprobs: two attempts (salts) or two seeds that reach one position
+    with the same tokens score a token alike; another context or token scores it apart."""
+    unseeded = GenerationRequest("r", (5, 6, 7), 50, Sampling(temperature=0.7))
+    seeded = GenerationRequest("r", (5, 6, 7), 50, Sampling(temperature=0.7, seed=11))
+    prefix = tuple(reference_tokens(unseeded, 19, salt=1))
+    records = {
+        FakeContext(request, salt, prefix).record(EOS_TOKEN, 5)
+        for request in (unseeded, seeded)
+        for salt in (0, 1, 2, 300)
+    }
+    assert len(records) == 1
+    (record,) = records
+    assert len(record.top) == 5
+    other_token = FakeContext(unseeded, 1, prefix).record(prefix[0], 5)
+    other_context = FakeContext(unseeded, 1, (*prefix[:-1], prefix[-1] + 1)).record(EOS_TOKEN, 5)
+    other_prompt = FakeContext(GenerationRequest("r", (5, 6, 8), 50), 1, prefix)
+    assert record not in (other_token, other_context, other_prompt.record(EOS_TOKEN, 5))

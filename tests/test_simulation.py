@@ -98,6 +98,34 @@ REGRESSION_SEEDS = [
         "as 4292, with the attempt's first token lost and a Resend's TokenRun the first "
         "news of it: a run from the attempt's first token says it too",
     ),
+    (
+        7000182,
+        STANDARD,
+        "an unseeded stream asking for logprobs resumed after its worker crashed, and the "
+        "new attempt drew, by chance, the token the first would have drawn there (eos); "
+        "the fake model's record then depended on the attempt (its salt), so the oracle, "
+        "which took the token for the first attempt's, expected that attempt's record. A "
+        "record is now the context's alone, as a real model's is, and the oracle expects "
+        "exactly one record at each position",
+    ),
+    (
+        7001399,
+        Scenario(workers=5, requests=40),
+        "a token overtook the one before it and was dropped as past a gap; every Resend "
+        "for it was cut by a partition toward the worker and then a blackout, the "
+        "progress deadline passed, and the router rightly benched the worker, which the "
+        "stuck check allowed only for a stopped decoder; a cut that lasts through the "
+        "deadline now explains it too",
+    ),
+    (
+        7010261,
+        STANDARD,
+        "a draining worker handed a stream off, the router dropped its tokens as stale "
+        "while the continuation was offered, the continuation's worker crashed, and the "
+        "stream went back: the draining worker's next token lay past the dropped ones, a "
+        "gap, which the fence oracle allowed only with a network fault; a handoff gone "
+        "back now explains it",
+    ),
 ]
 
 

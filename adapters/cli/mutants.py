@@ -130,6 +130,14 @@ MUTANTS = (
         "            request.max_new_tokens, prefix, records, 0, link.seq\n",
     ),
     Mutant(
+        # Issue 50: how it was until then. Two attempts of an unseeded request then scored
+        # one token at one position differently, as no real model does.
+        "fake model's logprob records follow its draw (seed and salt), not its context",
+        "core/fake_model.py",
+        "        mix = ((self.reads ^ self.index ^ (token << 32))",
+        "        mix = ((self.state ^ self.index ^ (token << 32))",
+    ),
+    Mutant(
         "worker keeps decoding after a cancel",
         "core/worker.py",
         'if reason == "cancelled" or event is E.DECODER_SKIPPED:',
