@@ -61,7 +61,7 @@ def test_fence_counters_need_one_of_their_causes() -> None:
 
 
 def test_every_cause_named_is_a_fault_the_simulator_injects_or_a_run_event() -> None:
-    known = set(FAULT_KINDS) | {"attempt_lost", "resend", "overtake"}
+    known = set(FAULT_KINDS) | {"attempt_lost", "resend", "overtake", "handoff_back"}
     for reason, causes in FENCE_CAUSES.items():
         assert causes <= known, (reason, causes - known)
 
