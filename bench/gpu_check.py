@@ -35,7 +35,7 @@ FENCEPOST_FUSED=off leaves the fused kernels out.
 Every loop is bounded (steps and a deadline); `--budget-s` skips what would
 not fit and says so; each section prints its own traceback when it fails
 and the rest still runs. The same script runs on CPU with tiny shapes (the
-test suite does: tests/test_gpu_check.py).
+test suite does: tests/bench/test_gpu_check.py).
 
 What it imports: torch, transformers and the engine's path through the
 project (core.protocol uses msgspec; adapters/engine/engine.py imports

@@ -45,7 +45,8 @@ UNREACHABLE: dict[tuple[str, str, str], str] = {
     ("sequence", "waiting", "refused"): (
         "a worker declines an offer longer than its max_context before its decoder sees "
         "it, and every simulated pool holds the largest request, so no sequence that can "
-        "never fit reaches a scheduler; the engine's tests refuse one (tests/test_scheduler.py)"
+        "never fit reaches a scheduler; the engine's tests refuse one "
+        "(tests/core/test_scheduler.py)"
     ),
     ("worker health", "silent", "deadline_missed"): (
         "the liveness timer is armed only by a heartbeat, which also makes the worker "
@@ -56,7 +57,7 @@ UNREACHABLE: dict[tuple[str, str, str], str] = {
 
 # (table, state, event) -> (a seed of the standard mix that takes the move, why it is
 # rare): reachable, but too seldom for the default sweep of seeds 0-499 to be sure of it,
-# so tests/test_simulation.py runs that seed on its own. A change to the simulator that
+# so tests/sim/test_simulation.py runs that seed on its own. A change to the simulator that
 # moves the seed's run elsewhere fails that test: find another (sim/coverage.py has
 # `seeds_taking`) and write it here.
 RARE: dict[tuple[str, str, str], tuple[int, str]] = {

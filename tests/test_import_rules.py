@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.import_rules import violations
+from tests.support.import_rules import violations
 
 ROOT = Path(__file__).resolve().parent.parent
 

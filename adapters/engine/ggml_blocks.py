@@ -4,7 +4,7 @@ requantisation.
 Each GGML type below is taken apart into the integers and half floats its blocks hold,
 and laid out in one of native.c's matrix kinds (its header has the byte layouts), so
 that every weight the kernels use is the value gguf's own dequantisation gives, bit
-for bit (tests/test_gguf_blocks.py compares them with gguf.dequantize):
+for bit (tests/engine/test_gguf_blocks.py compares them with gguf.dequantize):
 
 | GGML type | kind | bits a weight read (file's) |
 |---|---|---|

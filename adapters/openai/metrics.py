@@ -4,7 +4,7 @@ Counters and histograms are counted here as requests pass; every gauge is read f
 `controller.statistics()` at scrape time (`render`), so /metrics shows what the
 router holds now and nothing has to be kept in step. Per-worker gauges are rebuilt
 on each scrape from the router's worker views. deploy/grafana/fencepost.json charts
-these series, and tests/test_grafana.py holds it to them.
+these series, and tests/deploy/test_grafana.py holds it to them.
 """
 
 from __future__ import annotations
