@@ -50,7 +50,7 @@ from adapters.openai.server import FencepostApp, HttpLimits
 from adapters.openai.store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, StoreLimits
 from adapters.runtime.controller import Controller
 from adapters.runtime.embedded import run_local_worker
-from adapters.runtime.tcp import serve_workers
+from adapters.runtime.tcp_router import serve_workers
 from adapters.runtime.tls import Credentials, TlsError, TlsFiles, server_context
 from adapters.runtime.worker_host import Decoder, EngineDecoder, FakeDecoder, serving_engine
 from core.config import RouterConfig

@@ -37,7 +37,7 @@ from adapters.cli import (
     warn_unused,
 )
 from adapters.runtime.health import serve_health
-from adapters.runtime.tcp import RemoteWorker
+from adapters.runtime.tcp_worker import RemoteWorker
 from adapters.runtime.tls import Credentials, TlsError, client_context
 from adapters.runtime.worker_host import Decoder, EngineDecoder, FakeDecoder, serving_engine
 from core.worker import WorkerConfig

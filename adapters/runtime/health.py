@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from adapters.runtime.tcp import RemoteWorker
+from adapters.runtime.tcp_worker import RemoteWorker
 
 log = logging.getLogger("fencepost.health")
 

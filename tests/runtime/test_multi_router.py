@@ -25,7 +25,8 @@ import requests
 import trio
 
 from adapters.runtime.controller import Controller
-from adapters.runtime.tcp import Address, RemoteWorker, serve_workers
+from adapters.runtime.tcp_router import serve_workers
+from adapters.runtime.tcp_worker import Address, RemoteWorker
 from adapters.runtime.worker_host import FakeDecoder
 from core.config import RouterConfig
 from core.protocol import Heartbeat, Register
@@ -361,7 +362,8 @@ def test_a_second_address_of_a_linked_router_is_no_taken_id(
 def test_a_router_link_ends_when_the_router_stops_acknowledging() -> None:
     """A router host that vanishes sends no FIN: the worker's links ask the kernel to end
     a connection whose bytes stay unacknowledged for router_silence_s (Linux)."""
-    from adapters.runtime.tcp import TransportLimits, notice_silence
+    from adapters.runtime.tcp_link import TransportLimits
+    from adapters.runtime.tcp_worker import notice_silence
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:

@@ -8,7 +8,9 @@ import trio.testing
 from adapters.runtime.controller import Controller, with_seed
 from adapters.runtime.embedded import run_local_worker
 from adapters.runtime.loop import Mailbox, Timers
-from adapters.runtime.tcp import RemoteWorker, TransportLimits, serve_workers
+from adapters.runtime.tcp_link import TransportLimits
+from adapters.runtime.tcp_router import serve_workers
+from adapters.runtime.tcp_worker import RemoteWorker
 from adapters.runtime.worker_host import FakeDecoder
 from core.config import RouterConfig
 from core.fake_model import reference_output, reference_tokens

@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from adapters.runtime.controller import Controller
-from adapters.runtime.tcp import serve_workers
+from adapters.runtime.tcp_router import serve_workers
 from core.config import RouterConfig
 from core.fake_model import reference_tokens
 from core.protocol import (
