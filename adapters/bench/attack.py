@@ -168,7 +168,7 @@ def attacker_main(argv: list[str]) -> int:
 def main(
     seconds: float, http_rate: int, tls_rate: int, concurrency: int, tokens: int, step_ms: float
 ) -> int:
-    from adapters.cli.certs import make_certificates
+    from adapters.runtime.tls import make_certificates
 
     folder = log_folder("attack")
     with tempfile.TemporaryDirectory() as scratch:

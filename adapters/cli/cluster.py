@@ -103,7 +103,7 @@ def plan(args: argparse.Namespace, logs: Path) -> tuple[list[Child], list[Child]
     names = [f"w{i}" for i in range(1, args.workers + 1)]
     tls: dict[str, list[str]] = {name: [] for name in ["router", *names]}
     if args.tls:
-        from adapters.cli.certs import make_certificates
+        from adapters.runtime.tls import make_certificates
 
         folder = logs / "certs"
         make_certificates(folder, ["127.0.0.1", "localhost"], names, days=30)

@@ -23,10 +23,17 @@ are looked at (size, time, inode: a Secret is swapped by a symbolic link) and
 read again when one changed. New connections then use the new ones; a session
 already open keeps the keys it agreed. Files caught half-written, or otherwise
 unusable, are said in the log once and the ones loaded before stay in use.
+
+Certificates of these shapes are made here too (make_certificates: a CA, the
+routers' certificate valid for their names, and one per worker id or family;
+EC P-256 keys), for `fencepost certs`, `fencepost cluster --tls`, the benches
+and the tests; an operator with a PKI issues the same shapes from it.
 """
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import logging
 import os
 import ssl
@@ -34,6 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -183,3 +191,109 @@ def failure(error: BaseException) -> str:
             return f"the peer does not speak TLS ({cause.reason})"
         return cause.reason or str(cause)
     return str(error) or type(error).__name__
+
+
+# --- making certificates ---
+
+
+def _key() -> Any:
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _write(out: Path, stem: str, cert: Any, key: Any | None) -> list[Path]:
+    from cryptography.hazmat.primitives import serialization
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{stem}.crt"]
+    paths[0].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    if key is not None:
+        paths.append(out / f"{stem}.key")
+        paths[1].touch(mode=0o600)
+        paths[1].write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+    return paths
+
+
+def certificate(
+    name: str,
+    key: Any,
+    issuer: tuple[Any, Any] | None,
+    *,
+    days: int = 365,
+    sans: list[str] | None = None,
+    client: bool = False,
+    not_before: datetime.datetime | None = None,
+) -> Any:
+    """One certificate for `name` (common name), signed by issuer (its certificate
+    and key), or self-signed as a CA when issuer is None."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    start = not_before or datetime.datetime.now(datetime.UTC) - datetime.timedelta(minutes=5)
+    signer_cert, signer_key = issuer if issuer is not None else (None, key)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject if signer_cert is None else signer_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(start + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
+    )
+    if issuer is None:
+        usage = x509.KeyUsage(False, False, False, False, False, True, True, False, False)
+        builder = builder.add_extension(usage, critical=True)
+    else:
+        purpose = ExtendedKeyUsageOID.CLIENT_AUTH if client else ExtendedKeyUsageOID.SERVER_AUTH
+        builder = builder.add_extension(x509.ExtendedKeyUsage([purpose]), critical=False)
+    if sans:
+        entries: list[x509.GeneralName] = []
+        for san in sans:
+            try:
+                entries.append(x509.IPAddress(ipaddress.ip_address(san)))
+            except ValueError:
+                entries.append(x509.DNSName(san))
+        builder = builder.add_extension(x509.SubjectAlternativeName(entries), critical=False)
+    return builder.sign(signer_key, hashes.SHA256())
+
+
+def load_ca(folder: Path) -> tuple[Any, Any]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    cert = x509.load_pem_x509_certificate((folder / "ca.crt").read_bytes())
+    key = serialization.load_pem_private_key((folder / "ca.key").read_bytes(), None)
+    return cert, key
+
+
+def make_certificates(
+    out: Path, router_names: list[str], workers: list[str], days: int, ca: Path | None = None
+) -> list[Path]:
+    """Write the CA (unless `ca` names one), the routers' and the workers' files."""
+    written: list[Path] = []
+    if ca is None:
+        ca_key = _key()
+        ca_cert = certificate("fencepost CA", ca_key, None, days=days)
+        written += _write(out, "ca", ca_cert, ca_key)
+    else:
+        ca_cert, ca_key = load_ca(ca)
+        written += _write(out, "ca", ca_cert, None)
+    issuer = (ca_cert, ca_key)
+    router_key = _key()
+    router = certificate("fencepost-router", router_key, issuer, days=days, sans=router_names)
+    written += _write(out, "router", router, router_key)
+    for worker_id in workers:
+        key = _key()
+        cert = certificate(worker_id, key, issuer, days=days, client=True)
+        written += _write(out, worker_id.replace("*", "family"), cert, key)
+    return written

@@ -25,13 +25,15 @@ import pytest
 import trio
 import trio.testing
 
-from adapters.cli.certs import certificate, load_ca, make_certificates
 from adapters.runtime.tls import (
     Credentials,
     TlsError,
     TlsFiles,
     allows,
+    certificate,
     client_context,
+    load_ca,
+    make_certificates,
     server_context,
 )
 from core.protocol import Refused, Register
