@@ -35,11 +35,11 @@ from core.protocol import (
     GenerationRequest,
     TokenLogprob,
 )
+from core.seeds import GOLDEN, MASK64
 
 VOCAB = 50_000
 EOS_TOKEN = 0
 EOS_ONE_IN = 89
-_MASK = (1 << 64) - 1
 
 
 class FakeContext:
@@ -52,12 +52,12 @@ class FakeContext:
     def __init__(
         self, request: GenerationRequest, salt: int = 0, prefix: tuple[int, ...] | None = None
     ) -> None:
-        mix = 0x9E3779B97F4A7C15 ^ (request.sampling.seed or 0) & _MASK
-        mix = ((mix ^ salt) * 0x100000001B3) & _MASK
-        reads = 0x9E3779B97F4A7C15
+        mix = GOLDEN ^ (request.sampling.seed or 0) & MASK64
+        mix = ((mix ^ salt) * 0x100000001B3) & MASK64
+        reads = GOLDEN
         for token in request.prompt_token_ids:
-            mix = ((mix ^ token) * 0x100000001B3) & _MASK
-            reads = ((reads ^ token) * 0x100000001B3) & _MASK
+            mix = ((mix ^ token) * 0x100000001B3) & MASK64
+            reads = ((reads ^ token) * 0x100000001B3) & MASK64
         self.state = mix
         self.reads = reads
         self.index = 0
@@ -66,14 +66,14 @@ class FakeContext:
 
     def next_token(self) -> int:
         """The token at `index`, given everything fed so far (does not feed it)."""
-        mix = ((self.state ^ self.index) * 0xFF51AFD7ED558CCD) & _MASK
+        mix = ((self.state ^ self.index) * 0xFF51AFD7ED558CCD) & MASK64
         mix ^= mix >> 29
         return EOS_TOKEN if mix % EOS_ONE_IN == 0 else 1 + mix % (VOCAB - 1)
 
     def record(self, token: int, top: int) -> TokenLogprob:
         """The fake logprob record of `token` at `index`, with `top` alternatives: of the
         context alone, so every draw that reaches it agrees."""
-        mix = ((self.reads ^ self.index ^ (token << 32)) * 0xC2B2AE3D27D4EB4F) & _MASK
+        mix = ((self.reads ^ self.index ^ (token << 32)) * 0xC2B2AE3D27D4EB4F) & MASK64
         mix ^= mix >> 31
         base = (mix & 0xFFFF) / 65536.0  # in [0, 1)
         alternatives = tuple(
@@ -82,8 +82,8 @@ class FakeContext:
         return TokenLogprob(-(base + (mix >> 16) % 8 / 4.0), alternatives)
 
     def feed(self, token: int) -> None:
-        self.state = ((self.state ^ (token + 1)) * 0x100000001B3) & _MASK
-        self.reads = ((self.reads ^ (token + 1)) * 0x100000001B3) & _MASK
+        self.state = ((self.state ^ (token + 1)) * 0x100000001B3) & MASK64
+        self.reads = ((self.reads ^ (token + 1)) * 0x100000001B3) & MASK64
         self.index += 1
 
 

@@ -55,12 +55,27 @@ class Assignment(Struct, frozen=True, array_like=True):
     router: RouterId = ""
 
 
+# A request built in memory (tests, benches, the simulator) is greedy unless it says
+# otherwise; the HTTP boundary applies OpenAI's own default (1.0) before it builds one.
+DEFAULT_TEMPERATURE = 0.0
+
+
+def is_sampled(temperature: float) -> bool:
+    """Whether a token is drawn at random: any temperature above 0 (0 is the argmax)."""
+    return temperature > 0
+
+
 class Sampling(Struct, frozen=True):
     """Per-request sampling. temperature 0 means greedy; seed makes sampling reproducible."""
 
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 0.0
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = DEFAULT_TEMPERATURE
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
+
+    @property
+    def sampled(self) -> bool:
+        """Drawn at random (then a seed makes it repeat), not greedy."""
+        return is_sampled(self.temperature)
 
 
 MAX_TOP_LOGPROBS = 20

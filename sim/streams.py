@@ -32,7 +32,7 @@ SALT_SEARCH = 256  # with shared workers: attempts past the last one seen, to lo
 
 def diverges(request: GenerationRequest) -> bool:
     """Unseeded sampling: two attempts of this request draw different tokens."""
-    return request.sampling.temperature > 0 and request.sampling.seed is None
+    return request.sampling.sampled and request.sampling.seed is None
 
 
 @dataclass(slots=True)

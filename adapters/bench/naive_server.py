@@ -23,6 +23,8 @@ from quart_trio import QuartTrio
 
 from adapters.engine.model import chat_token_ids, load_model
 from adapters.openai.egress import IncrementalDetokenizer
+from adapters.openai.normalize import OPENAI_DEFAULT_TEMPERATURE
+from core.protocol import is_sampled
 
 
 class _TokenQueue:
@@ -63,13 +65,13 @@ def main(port: int, model_path: str | None, threads: int | None) -> int:
         body: dict[str, Any] = await request.get_json()
         ids = chat_token_ids(tokenizer, body["messages"])
         max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 128)
-        temperature = float(body.get("temperature", 1.0))
+        temperature = float(body.get("temperature", OPENAI_DEFAULT_TEMPERATURE))
 
         async def events() -> AsyncIterator[bytes]:
             async with lock:  # one generate at a time: the naive part
                 streamer = _TokenQueue()
                 settings: dict[str, Any] = {"max_new_tokens": max_tokens, "streamer": streamer}
-                if temperature > 0:
+                if is_sampled(temperature):
                     settings |= {"do_sample": True, "temperature": temperature}
                 else:
                     settings |= {"do_sample": False}

@@ -256,7 +256,7 @@ class Engine:
         bad = [t for t in context if t >= vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:3]} are outside the vocabulary ({vocab})")
-        if request.sampling.temperature > 0 and request.sampling.seed is None:
+        if request.sampling.sampled and request.sampling.seed is None:
             raise ValueError("a sampled request needs a seed (the controller gives each one)")
         self._keys += 1
         stop_ids = self.loaded.eos_token_ids | frozenset(request.stop_token_ids)
@@ -534,7 +534,7 @@ def logprob_records(
     device = logits.device
     scores = logits if len(asking) == len(tops) else logits[torch.tensor(asking, device=device)]
     scores = scores.float()
-    scale = [draws[r].temperature if draws[r].temperature > 0 else 1.0 for r in asking]
+    scale = [draws[r].temperature if draws[r].sampled else 1.0 for r in asking]
     if any(t != 1.0 for t in scale):
         scores = scores / torch.tensor(scale, device=device)[:, None]
     norm = torch.logsumexp(scores, dim=-1, keepdim=True)

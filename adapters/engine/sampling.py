@@ -26,19 +26,11 @@ from typing import NamedTuple
 
 import torch
 
+from core.protocol import is_sampled
+from core.seeds import GOLDEN, MIX1, MIX2, signed64, splitmix64
+
 NUCLEUS_PROBE = 64
 WIDE_PROBE = 1024  # the second look, for rows the first one left short (topk, not a sort)
-_M64 = (1 << 64) - 1
-
-
-def _signed(value: int) -> int:
-    """A 64-bit pattern as the int64 that holds the same bits."""
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-_GOLDEN = 0x9E3779B97F4A7C15
-_MIX1 = 0xBF58476D1CE4E5B9
-_MIX2 = 0x94D049BB133111EB
 
 
 class TokenDraw(NamedTuple):
@@ -50,13 +42,14 @@ class TokenDraw(NamedTuple):
     seed: int
     token_index: int
 
+    @property
+    def sampled(self) -> bool:
+        return is_sampled(self.temperature)
+
 
 def mix64(seed: int, index: int) -> int:
     """splitmix64 of (seed, index) as an unsigned 64-bit integer (the reference)."""
-    z = (seed * _GOLDEN + (index + 1) * _MIX1) & _M64
-    z = ((z ^ (z >> 30)) * _MIX1) & _M64
-    z = ((z ^ (z >> 27)) * _MIX2) & _M64
-    return z ^ (z >> 31)
+    return splitmix64(seed * GOLDEN + (index + 1) * MIX1)
 
 
 def token_uniform(seed: int, index: int) -> float:
@@ -72,9 +65,9 @@ def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
 def uniforms(seeds: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """token_uniform for int64 tensors of seeds and indices, elementwise, as float64.
     int64 products wrap modulo 2^64 like the reference's masked ones."""
-    z = seeds * _signed(_GOLDEN) + (indices + 1) * _signed(_MIX1)
-    z = (z ^ _shift_right(z, 30)) * _signed(_MIX1)
-    z = (z ^ _shift_right(z, 27)) * _signed(_MIX2)
+    z = seeds * signed64(GOLDEN) + (indices + 1) * signed64(MIX1)
+    z = (z ^ _shift_right(z, 30)) * signed64(MIX1)
+    z = (z ^ _shift_right(z, 27)) * signed64(MIX2)
     z = z ^ _shift_right(z, 31)
     return _shift_right(z, 11).to(torch.float64) * 2.0**-53
 
@@ -90,7 +83,7 @@ def sample(logits: torch.Tensor, draws: Sequence[TokenDraw]) -> torch.Tensor:
     device, rows = logits.device, logits.shape[0]
     greedy = torch.argmax(logits, dim=-1)
     flags = torch.zeros(rows, dtype=torch.int64, device=device)
-    sampled = [row for row, draw in enumerate(draws) if draw.temperature > 0]
+    sampled = [row for row, draw in enumerate(draws) if draw.sampled]
     if not sampled:
         return torch.stack([greedy, flags])
     probs, u, top_p = _distribution(logits, draws, sampled)

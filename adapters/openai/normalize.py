@@ -36,13 +36,13 @@ from adapters.openai.errors import OpenAIError, invalid
 from adapters.openai.structured import response_format
 from adapters.openai.tools import Tool, ToolCall, ToolSetup, read_tool_calls, read_tools
 from core.protocol import MAX_TOP_LOGPROBS, Constraint, GenerationRequest, Sampling
+from core.seeds import GOLDEN, signed64, splitmix64
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 INT64 = 2**63
-MASK64 = 2**64 - 1
-DEFAULT_TEMPERATURE = 1.0  # the OpenAI default
+OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's; core's in-memory default is greedy
 
 
 class ModelInfo(msgspec.Struct, frozen=True):
@@ -323,11 +323,7 @@ def choice_seed(seed: int, choice: int) -> int:
     """
     if choice == 0:
         return seed
-    z = (seed + choice * 0x9E3779B97F4A7C15) & MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-    z ^= z >> 31
-    return z - 2**64 if z >= INT64 else z
+    return signed64(splitmix64(seed + choice * GOLDEN))
 
 
 def _budget(
@@ -507,7 +503,7 @@ def _include_usage(value: object, stream: bool) -> bool | OpenAIError:
 def _sampling(body: dict[str, Any]) -> Sampling | OpenAIError:
     temperature = body.get("temperature")
     if temperature is None:
-        temperature = DEFAULT_TEMPERATURE
+        temperature = OPENAI_DEFAULT_TEMPERATURE
     elif not _is_number(temperature) or not 0 <= temperature <= 2:
         return invalid("'temperature' must be a number from 0 to 2", "temperature")
     top_p = body.get("top_p")

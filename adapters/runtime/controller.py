@@ -145,7 +145,7 @@ class RequestStream:
 def with_seed(request: GenerationRequest) -> GenerationRequest:
     """The request as the router should see it: sampled requests always carry a seed."""
     sampling = request.sampling
-    if sampling.temperature == 0 or sampling.seed is not None:
+    if not sampling.sampled or sampling.seed is not None:
         return request
     return replace(request, sampling=replace(sampling, seed=secrets.randbits(63)))
 
