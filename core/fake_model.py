@@ -38,6 +38,7 @@ from core.protocol import (
 from core.seeds import GOLDEN, MASK64
 
 VOCAB = 50_000
+FAKE_CONTEXT = 2048  # the context a fake decoder serves unless told otherwise
 EOS_TOKEN = 0
 EOS_ONE_IN = 89
 

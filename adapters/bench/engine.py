@@ -38,9 +38,11 @@ from typing import Any, NamedTuple
 import torch
 
 from adapters.bench import measure
-from adapters.engine.engine import DEFAULT_KV_CACHE_TOKENS, Engine, logprob_records
+from adapters.engine.build import weight_format
+from adapters.engine.engine import Engine, logprob_records
 from adapters.engine.grammar import json_schema_grammar
 from adapters.engine.model import LoadedModel, chat_token_ids, load_model
+from adapters.engine.options import DEFAULT_KV_CACHE_TOKENS
 from adapters.engine.runner import DEFAULT_BLOCK_SIZE
 from adapters.engine.sampling import TokenDraw
 from core.batching import BatchLimits
@@ -340,6 +342,7 @@ def main(
     hf = hf_generate_rate(loaded, prompt, tokens)
     print(f"  HF generate, 1 stream:              {hf:8.1f} tok/s   (1.00x)")
     limits = BatchLimits(max_seqs=max(concurrency), max_context=2048)
+    weights = weight_format(loaded, weights, limits.max_seqs)
     engine = Engine(
         endless,
         limits,

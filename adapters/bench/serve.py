@@ -178,14 +178,19 @@ def engine_only(load: ServeLoad) -> tuple[float, int | None]:
     threaded as the server's was: (tokens/s, its CPU threads; None: torch's own)."""
     import torch
 
+    from adapters.engine.build import build_engine
     from adapters.engine.model import load_model
+    from adapters.engine.options import EngineOptions
     from adapters.openai.models import ChatModel
     from adapters.openai.normalize import ChatMessage
-    from adapters.runtime.worker_host import serving_engine
     from core.protocol import Assignment, Decoded, DecodeDone, GenerationRequest, Sampling
 
     loaded = load_model(load.model_path, quiet=True)
-    engine, threads = serving_engine(loaded, load.top, 2048, load.weights, load.threads)
+    asked = EngineOptions(
+        slots=load.top, max_context=2048, weights=load.weights, threads=load.threads
+    )
+    built = build_engine(loaded, asked)
+    engine, threads = built.engine, built.threads
     if threads is not None:  # the server's engine thread sets them on itself
         torch.set_num_threads(threads)
     chat = ChatModel("bench", loaded.tokenizer, 2048)  # the server's own chat tokenizing

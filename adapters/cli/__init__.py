@@ -15,6 +15,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from adapters.engine.options import DEFAULT_KV_CACHE_TOKENS, DEFAULT_SLOTS, EngineOptions
+from core.fake_model import FAKE_CONTEXT
+
 if TYPE_CHECKING:
     from adapters.runtime.tls import TlsFiles
 
@@ -52,10 +55,6 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-# adapters/engine/engine.py DEFAULT_KV_CACHE_TOKENS (named here so as not to import torch).
-DEFAULT_KV_CACHE_TOKENS = 16 * 2048
-
-
 def add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:
     """--no-prefix-cache and --kv-cache-tokens, as serve, worker and the engine bench take
     them."""
@@ -73,6 +72,54 @@ def add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:
         help="token positions the KV cache holds, all sequences together (default: what "
         "half the memory free after the weights holds, 85%% on a GPU, at most every slot "
         f"at the full context; the fake decoder: {DEFAULT_KV_CACHE_TOKENS})",
+    )
+
+
+MODEL_HELP = "HF directory or .gguf (default: embedded)"
+
+
+def add_model_argument(parser: argparse.ArgumentParser, help: str = MODEL_HELP) -> None:
+    """--model: the model to load, as every command that loads one takes it."""
+    parser.add_argument("--model", default=None, help=help)
+
+
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    """--threads: the engine's torch CPU threads (default: build.py decides)."""
+    parser.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Everything an engine is built from (adapters/engine/options.py's EngineOptions),
+    as serve and worker take it: --model, --slots, --max-context, --threads, --weights,
+    the KV cache's and the decode path's flags. engine_options(args) reads them."""
+    add_model_argument(parser)
+    parser.add_argument(
+        "--slots", type=positive, default=DEFAULT_SLOTS,
+        help="concurrent sequences a worker decodes",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-context", type=positive, default=None, metavar="TOKENS",
+        help="longest context a request may have (default: the model's own, cut to what "
+        f"the KV cache holds; the fake model: {FAKE_CONTEXT})",
+    )  # fmt: skip
+    add_threads_argument(parser)
+    add_weights_argument(parser)
+    add_kv_cache_arguments(parser)
+    add_decode_arguments(parser)
+
+
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    """The EngineOptions of a command that called add_engine_arguments."""
+    return EngineOptions(
+        model=args.model,
+        max_context=args.max_context,
+        slots=args.slots,
+        threads=args.threads,
+        weights=args.weights,
+        decode=args.decode,
+        attention=args.decode_attention,
+        kv_cache_tokens=args.kv_cache_tokens,
+        prefix_caching=not args.no_prefix_cache,
     )
 
 

@@ -31,18 +31,16 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 
 from adapters.cli import (
-    DEFAULT_KV_CACHE_TOKENS,
-    add_decode_arguments,
+    add_engine_arguments,
     add_key_arguments,
-    add_kv_cache_arguments,
     add_tls_arguments,
-    add_weights_argument,
     natural,
     positive,
     tls_files,
     warn_unused,
 )
 from adapters.cli.worker import listen_address
+from adapters.engine.options import EngineOptions
 from adapters.openai.auth import ENV_KEYS, ApiKeyError, ApiKeys, gather_keys
 from adapters.openai.front import FrontDoor, serve_http
 from adapters.openai.models import ChatModel, FakeChatModel, ServedModel
@@ -52,15 +50,15 @@ from adapters.runtime.controller import Controller
 from adapters.runtime.embedded import run_local_worker
 from adapters.runtime.tcp_router import serve_workers
 from adapters.runtime.tls import Credentials, TlsError, TlsFiles, server_context
-from adapters.runtime.worker_host import Decoder, EngineDecoder, FakeDecoder, serving_engine
+from adapters.runtime.worker_host import Decoder, FakeOptions, make_decoder
 from core.config import RouterConfig
+from core.fake_model import FAKE_CONTEXT
 from core.worker import WorkerConfig
 
 log = logging.getLogger("fencepost.serve")
 
 
 _DEADLINES = RouterConfig()  # the router's default progress deadlines
-FAKE_CONTEXT = 2048  # the fake model's context unless --max-context says
 
 
 @dataclass
@@ -98,6 +96,21 @@ class ServeOptions:
     tls: TlsFiles | None = None  # mutual TLS on the worker port
     router_id: str | None = None  # a prefix for the drawn id (None: the drawn id alone)
 
+    @property
+    def engine(self) -> EngineOptions:
+        """What the in-process worker's engine is built from (adapters/engine/build.py)."""
+        return EngineOptions(
+            model=self.model,
+            max_context=self.max_context,
+            slots=self.slots,
+            threads=self.threads,
+            weights=self.weights,
+            decode=self.decode,
+            attention=self.decode_attention,
+            kv_cache_tokens=self.kv_cache_tokens,
+            prefix_caching=self.prefix_caching,
+        )
+
 
 def router_identity(prefix: str | None) -> str:
     """This incarnation's router id: the prefix, if any, then 8 random hex digits."""
@@ -108,7 +121,6 @@ def router_identity(prefix: str | None) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
     parser.add_argument("--served-model-name", default=None, help="the id clients ask for")
     parser.add_argument(
         "--router-id", default=None, metavar="PREFIX",
@@ -126,16 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-local-worker", dest="local_worker", action="store_false",
         help="serve only through remote workers",
     )  # fmt: skip
-    parser.add_argument("--slots", type=int, default=16, help="concurrent sequences per worker")
-    parser.add_argument(
-        "--max-context", type=positive, default=None, metavar="TOKENS",
-        help="longest context a request may have (default: the model's own, cut to what "
-        "the KV cache holds; the fake model: 2048)",
-    )  # fmt: skip
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    add_weights_argument(parser)
-    add_kv_cache_arguments(parser)
-    add_decode_arguments(parser)
+    add_engine_arguments(parser)
     parser.add_argument("--fake", action="store_true", help="a fake model: instant made-up words")
     parser.add_argument("--fake-step-ms", type=float, default=0.0)
     parser.add_argument(
@@ -307,44 +310,26 @@ def _say_who_may_enter(options: ServeOptions, keys: ApiKeys, port: int) -> None:
 
 def build_model(options: ServeOptions) -> tuple[ServedModel, Decoder | None]:
     """The served model's boundary half, and the decoder for an in-process worker."""
+    fake = FakeOptions(
+        options.fake_step_ms / 1000, prefill_s_per_token=options.fake_prefill_ms_per_token / 1000
+    )
     if options.fake:
         name = options.served_model_name or "fake"
-        decoder = (
-            FakeDecoder(
-                options.fake_step_ms / 1000,
-                prefill_s_per_token=options.fake_prefill_ms_per_token / 1000,
-                prefix_caching=options.prefix_caching,
-                kv_cache_tokens=options.kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS,
-            )
-            if options.local_worker
-            else None
-        )
-        return FakeChatModel(name, options.max_context or FAKE_CONTEXT), decoder
-    from adapters.engine.model import load_boundary, load_model
-
+        if not options.local_worker:
+            return FakeChatModel(name, options.max_context or FAKE_CONTEXT), None
+        local = make_decoder(options.engine, fake)
+        return FakeChatModel(name, local.max_context), local.decoder
     if not options.local_worker:  # a router only: the tokenizer, never the weights
+        from adapters.engine.model import load_boundary
+        from adapters.engine.options import served_context
+
         boundary = load_boundary(options.model)
-        max_context = min(options.max_context or boundary.max_context, boundary.max_context)
+        max_context = served_context(boundary.max_context, options.max_context)
         name = options.served_model_name or boundary.name
         return ChatModel(name, boundary.tokenizer, max_context), None
-    loaded = load_model(options.model, max_context=options.max_context)
-    slots, weights, threads = options.slots, options.weights, options.threads
-    on_thread = EngineDecoder(
-        *serving_engine(
-            loaded,
-            slots,
-            options.max_context,
-            weights,
-            threads,
-            prefix_caching=options.prefix_caching,
-            kv_cache_tokens=options.kv_cache_tokens,
-            decode=options.decode,
-            attention=options.decode_attention,
-        )
-    )
-    context = on_thread.engine.limits.max_context  # the model's, or what the pool holds
-    model = ChatModel(options.served_model_name or loaded.name, loaded.tokenizer, context)
-    return model, on_thread
+    local = make_decoder(options.engine, None)
+    name = options.served_model_name or local.name or "model"
+    return ChatModel(name, local.tokenizer, local.max_context), local.decoder
 
 
 async def serve_until_signalled(

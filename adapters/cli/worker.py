@@ -27,19 +27,16 @@ import socket
 import trio
 
 from adapters.cli import (
-    DEFAULT_KV_CACHE_TOKENS,
-    add_decode_arguments,
-    add_kv_cache_arguments,
+    add_engine_arguments,
     add_tls_arguments,
-    add_weights_argument,
-    positive,
+    engine_options,
     tls_files,
     warn_unused,
 )
 from adapters.runtime.health import serve_health
 from adapters.runtime.tcp_worker import RemoteWorker
 from adapters.runtime.tls import Credentials, TlsError, client_context
-from adapters.runtime.worker_host import Decoder, EngineDecoder, FakeDecoder, serving_engine
+from adapters.runtime.worker_host import FakeOptions, make_decoder
 from core.worker import WorkerConfig
 
 log = logging.getLogger("fencepost.worker")
@@ -69,12 +66,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="when the router refuses the id, keep asking for this long (a previous "
         "process of ours may not be seen dead yet), then exit 2 (default %(default)s)",
     )  # fmt: skip
-    parser.add_argument("--slots", type=int, default=16, help="concurrent sequences")
-    parser.add_argument(
-        "--max-context", type=positive, default=None, metavar="TOKENS",
-        help="longest context it takes (default: the model's own, cut to what the KV "
-        "cache holds; --fake: 2048)",
-    )  # fmt: skip
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, metavar="SECONDS")
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS")
     parser.add_argument(
@@ -82,11 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM: hand the streams to other workers at the exact token (default), "
         "or let them finish here",
     )  # fmt: skip
-    parser.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    add_weights_argument(parser)
-    add_kv_cache_arguments(parser)
-    add_decode_arguments(parser)
+    add_engine_arguments(parser)
     parser.add_argument(
         "--fake", action="store_true", help="a deterministic fake decoder instead of a model"
     )
@@ -139,36 +126,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if tls is None:
         log.warning("the links to routers are unauthenticated (--tls-cert, --tls-key, --tls-ca)")
-    decoder: Decoder
-    if args.fake:
-        decoder = FakeDecoder(
-            args.fake_step_ms / 1000,
-            args.fake_prefill_ms / 1000,
-            args.fake_ignore_eos,
-            args.fake_hang_after,
-            prefill_s_per_token=args.fake_prefill_ms_per_token / 1000,
-            prefix_caching=not args.no_prefix_cache,
-            kv_cache_tokens=args.kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS,
-        )
-        max_context = args.max_context or 2048
-    else:
-        from adapters.engine.model import load_model
-
-        loaded = load_model(args.model, max_context=args.max_context)
-        on_thread = EngineDecoder(
-            *serving_engine(
-                loaded,
-                args.slots,
-                args.max_context,
-                args.weights,
-                args.threads,
-                prefix_caching=not args.no_prefix_cache,
-                kv_cache_tokens=args.kv_cache_tokens,
-                decode=args.decode,
-                attention=args.decode_attention,
-            )
-        )
-        decoder, max_context = on_thread, on_thread.engine.limits.max_context
+    fake = FakeOptions(
+        args.fake_step_ms / 1000,
+        args.fake_prefill_ms / 1000,
+        args.fake_prefill_ms_per_token / 1000,
+        args.fake_ignore_eos,
+        args.fake_hang_after,
+    )
+    local = make_decoder(engine_options(args), fake if args.fake else None)
+    decoder, max_context = local.decoder, local.max_context
     config = WorkerConfig(
         worker_id,
         slots=args.slots,

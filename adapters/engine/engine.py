@@ -2,8 +2,9 @@
 
 Engine is synchronous and single-threaded: start() and stop() queue work,
 step() runs one scheduling step (core.batching decides who runs) and returns
-the worker machine's input events, Decoded and DecodeDone. EngineThread runs
-steps on a dedicated thread so an event loop never blocks on a forward pass.
+the worker machine's input events, Decoded and DecodeDone. EngineThread
+(thread.py) runs steps on a dedicated thread so an event loop never blocks on a
+forward pass. adapters/engine/build.py builds one from EngineOptions.
 
 Sampling (adapters/engine/sampling.py, batched over the rows): greedy at
 temperature 0; otherwise temperature, then top_p, then an inverse-CDF draw
@@ -54,10 +55,7 @@ from __future__ import annotations
 
 import math
 import os
-import queue
-import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -66,9 +64,9 @@ import msgspec
 import torch
 from llguidance import LLMatcher
 
-from adapters.engine.choose import choose
 from adapters.engine.grammar import GrammarError, Grammars, Penalty, tokenizer_for
 from adapters.engine.model import LoadedModel, say
+from adapters.engine.options import DEFAULT_KV_CACHE_TOKENS
 from adapters.engine.paged_attention import ATTENTIONS, choose_attention, make_attention
 from adapters.engine.runner import DEFAULT_BLOCK_SIZE, Chunk, Runner
 from adapters.engine.sampling import TokenDraw, sample, sample_whole
@@ -81,7 +79,6 @@ from core.protocol import (
     CacheReport,
     DecodeDone,
     DecoderEvent,
-    DecoderFailed,
     GenerationRequest,
     TokenLogprob,
 )
@@ -93,7 +90,6 @@ ATTENTION_TRIAL_ROWS = 32
 # Below this a reported log probability is a grammar's forbidden token: no real logit
 # gap comes near it, and the penalty (grammar.py) puts such tokens near -1.7e38.
 FORBIDDEN_LOGPROB = -1e30
-DEFAULT_KV_CACHE_TOKENS = 16 * 2048  # the memory of 16 sequences of 2048 tokens
 REPORTED_KEYS = 256  # chain keys in each CacheReport
 # The keys are listed again at most this often: with a full cache the listing costs
 # ~0.6 ms, 5% of a one-row step, and heartbeats read them only every 0.5 s.
@@ -140,8 +136,8 @@ class StepTiming:
 
 
 class Engine:
-    """weights: a format of adapters/engine/weights.py, or "auto" to choose one by
-    capability, quality and speed at start (adapters/engine/choose.py, logged).
+    """weights: a format of adapters/engine/weights.py (adapters/engine/build.py turns
+    "auto" into one, by capability, quality and speed at start).
 
     kv_cache_tokens: positions the KV pool holds, all sequences together (blocks
     of block_size); None: as many as `kv_cache_share` of the memory the weights
@@ -176,10 +172,8 @@ class Engine:
         if kv_cache_tokens is not None and kv_cache_tokens < block_size:
             raise ValueError(f"kv_cache_tokens {kv_cache_tokens} is less than one block")
         self.loaded = loaded
-        if weights == "auto":
-            choice = choose(loaded, limits.max_seqs, say)
-            say(choice.reason)
-            weights = choice.format
+        if weights == "auto":  # choosing builds engines: the builder does it, once
+            raise ValueError('weights "auto" is chosen by adapters.engine.build, not here')
         if kv_cache_tokens is None:  # sized from what the weights leave free
             self.runner = Runner(loaded, None, block_size, limits.max_context, weights)
             tokens, context, line = pool_size(self.runner, limits, kv_cache_share)
@@ -556,100 +550,3 @@ def _logprob(value: float) -> float:
     """A log probability as reported: at most 0 (rounding may pass it), and -inf for a
     token a grammar forbids (its value is then near float32's lowest)."""
     return -math.inf if value <= FORBIDDEN_LOGPROB else min(value, 0.0)
-
-
-@dataclass(frozen=True, slots=True)
-class Start:
-    """Begin decoding an assignment."""
-
-    assignment: Assignment
-    request: GenerationRequest
-
-
-@dataclass(frozen=True, slots=True)
-class Stop:
-    """Drop an assignment at once."""
-
-    assignment: Assignment
-
-
-@dataclass(frozen=True, slots=True)
-class Close:
-    """Wake the thread so it sees it is closed."""
-
-
-Command = Start | Stop | Close
-
-
-class EngineThread:
-    """Runs an Engine's steps on its own thread; results go to `on_events`.
-
-    start() and stop() may be called from any thread; they queue commands,
-    which the thread takes, all of them, before each step. `on_events` is
-    called on the engine thread with each step's events (the runtime hands them
-    to its event loop). A step that raises ends every assignment: DecoderFailed.
-    """
-
-    def __init__(
-        self,
-        engine: Engine,
-        on_events: Callable[[list[DecoderEvent]], None],
-        threads: int | None = None,
-    ) -> None:
-        self.engine = engine
-        self._on_events = on_events
-        self._threads = threads
-        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fencepost-engine", daemon=True)
-        self._thread.start()
-
-    def start(self, assignment: Assignment, request: GenerationRequest) -> None:
-        self._commands.put(Start(assignment, request))
-
-    def stop(self, assignment: Assignment) -> None:
-        self._commands.put(Stop(assignment))
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        self._closed.set()
-        self._commands.put(Close())
-        self._thread.join(timeout_s)
-
-    def _run(self) -> None:
-        if self._threads is not None:
-            torch.set_num_threads(self._threads)
-        while not self._closed.is_set():
-            if not self.engine.has_work():
-                try:  # idle: sleep until a command arrives
-                    self._apply(self._commands.get(timeout=0.5))
-                except queue.Empty:
-                    continue
-            while True:  # take every queued command before the next step
-                try:
-                    self._apply(self._commands.get_nowait())
-                except queue.Empty:
-                    break
-            if self.engine.has_work() and not self._closed.is_set():
-                self._step()
-
-    def _apply(self, command: Command) -> None:
-        match command:
-            case Start(assignment, request):
-                try:
-                    self.engine.start(assignment, request)
-                except ValueError:
-                    self._on_events([DecodeDone(assignment, "failed")])
-            case Stop(assignment):
-                self.engine.stop(assignment)
-            case Close():
-                pass  # the loop checks _closed
-
-    def _step(self) -> None:
-        events: list[DecoderEvent]
-        try:
-            events = self.engine.step()
-        except Exception as error:  # a broken forward pass must not kill the thread
-            self.engine.reset()
-            events = [DecoderFailed(f"{type(error).__name__}: {error}")]
-        if events:
-            self._on_events(events)

@@ -31,6 +31,7 @@ from typing import Any
 from adapters.engine.checkpoint import Checkpoint, StateDictCheckpoint, open_checkpoint
 from adapters.engine.errors import ModelError
 from adapters.engine.families import UnsupportedModel, family_for
+from adapters.engine.options import served_context
 from adapters.engine.spec import ModelSpec, TensorNames
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -257,7 +258,7 @@ def load_model(
     config = read_config(source)
     family = family_for(config)  # refused here, before the tokenizer or a weight
     trained = _trained_context(config)
-    context = trained if max_context is None else min(max_context, trained)
+    context = served_context(trained, max_context)
     spec = family.spec(config, context)
     if source.options:
         speak(

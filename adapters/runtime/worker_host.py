@@ -22,16 +22,16 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
+from adapters.engine.options import DEFAULT_KV_CACHE_TOKENS, EngineOptions, default_threads
 from adapters.runtime.loop import Serial, Timers
 from core.blocks import BlockManager
-from core.fake_model import FakeDecode
+from core.fake_model import FAKE_CONTEXT, FakeDecode
 from core.protocol import (
     ArmTimer,
     Assignment,
@@ -55,8 +55,8 @@ from core.protocol import (
 from core.worker import Worker, WorkerConfig
 
 if TYPE_CHECKING:
-    from adapters.engine.engine import Engine, EngineThread
-    from adapters.engine.model import LoadedModel
+    from adapters.engine.engine import Engine
+    from adapters.engine.thread import EngineThread
 
 log = logging.getLogger("fencepost.worker")
 
@@ -204,7 +204,7 @@ class FakeDecoder:
         *,
         prefill_s_per_token: float = 0.0,
         prefix_caching: bool = True,
-        kv_cache_tokens: int = 32768,
+        kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
     ):
         self.step_s = step_s
         self.prefill_s = prefill_s
@@ -322,78 +322,6 @@ class FakeDecoder:
             self._report = None
 
 
-def default_threads(device_type: str) -> int | None:
-    """torch CPU threads when the engine shares the machine with the event loop.
-
-    On CPU, torch's default (every core) leaves the event loop, the HTTP layer
-    and the sockets to preempt the matrix work, and every preemption stalls a
-    whole parallel op: measured on 2 cores, serving lost 28-46% of the engine's
-    own throughput that way, against 4-13% with one core left free (engine.md).
-    """
-    if device_type != "cpu":
-        return None
-    return max(1, (os.cpu_count() or 2) - 1)
-
-
-def serving_threads(device_type: str, weights: str) -> int | None:
-    """The engine's threads when serving in the weight format `weights` and none were
-    given: every core for the native format, whose threads meet a handful of times a
-    layer and lose little to the event loop (engine.md: 1.5-1.6x over one thread on 2
-    cores); default_threads for torch's formats."""
-    if device_type == "cpu" and weights == "w4a16":
-        return os.cpu_count() or 1
-    return default_threads(device_type)
-
-
-def serving_engine(
-    loaded: LoadedModel,
-    slots: int,
-    max_context: int | None,
-    weights: str,
-    threads: int | None,
-    *,
-    prefix_caching: bool = True,
-    kv_cache_tokens: int | None = None,
-    decode: str = "auto",
-    attention: str = "auto",
-) -> tuple[Engine, int | None]:
-    """The torch engine for a loaded model as serving runs it, and its CPU threads:
-        `slots` sequences of at most max_context tokens (None: the model's own; cut to the
-        pool when the pool is smaller) sharing a KV cache of kv_cache_tokens positions
-        (None: sized from the memory the weights leave, logged), decoding as
-    `decode` and `attention` say (Engine's arguments). The torch
-        threads are set first, so that choosing the weight format measures what serving
-        will run; threads=None and the native format chosen: every core (default_threads
-        says why torch's formats leave one free)."""
-    import torch
-
-    from adapters.engine.engine import Engine
-    from adapters.engine.model import say
-    from core.batching import BatchLimits
-
-    device = loaded.device.type
-    chosen_threads = threads
-    if threads is None:
-        threads = default_threads(device)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    context = min(max_context or loaded.max_context, loaded.max_context)
-    limits = BatchLimits(max_seqs=slots, max_context=context)
-    engine = Engine(
-        loaded,
-        limits,
-        weights=weights,
-        prefix_caching=prefix_caching,
-        kv_cache_tokens=kv_cache_tokens,
-        decode=decode,
-        attention=attention,
-    )
-    if chosen_threads is None and engine.runner.format == "w4a16":
-        threads = serving_threads(device, "w4a16")
-        say(f"weights w4a16: the engine takes all {threads} CPU threads")
-    return engine, threads
-
-
 class EngineDecoder:
     """The torch engine (adapters.engine.Engine) stepping on its own thread.
 
@@ -425,7 +353,7 @@ class EngineDecoder:
     ) -> None:
         # `pace` is not consulted: a model's steps make hundreds of events a
         # second at most, orders of magnitude below what a link drains.
-        from adapters.engine.engine import EngineThread
+        from adapters.engine.thread import EngineThread
 
         token = trio.lowlevel.current_trio_token()
 
@@ -442,3 +370,49 @@ class EngineDecoder:
             thread, self._thread = self._thread, None
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(thread.close)
+
+
+@dataclass(frozen=True)
+class FakeOptions:
+    """The fake decoder's shape (FakeDecoder's arguments), as --fake* give it."""
+
+    step_s: float = 0.0
+    prefill_s: float = 0.0
+    prefill_s_per_token: float = 0.0
+    ignore_eos: bool = False
+    hang_after: int | None = None
+
+
+@dataclass(frozen=True)
+class LocalDecoder:
+    """A worker's decoder and the context it serves; for a model, its name and
+    tokenizer too (None for the fake decoder)."""
+
+    decoder: Decoder
+    max_context: int
+    name: str | None = None
+    tokenizer: Any = None
+
+
+def make_decoder(options: EngineOptions, fake: FakeOptions | None) -> LocalDecoder:
+    """The decoder serve's in-process worker and `fencepost worker` run: the fake one
+    when `fake` is given (core's fake model, FAKE_CONTEXT unless options.max_context
+    says), else the torch engine adapters/engine/build.py makes of `options`."""
+    if fake is not None:
+        decoder = FakeDecoder(
+            fake.step_s,
+            fake.prefill_s,
+            fake.ignore_eos,
+            fake.hang_after,
+            prefill_s_per_token=fake.prefill_s_per_token,
+            prefix_caching=options.prefix_caching,
+            kv_cache_tokens=options.kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS,
+        )
+        return LocalDecoder(decoder, options.max_context or FAKE_CONTEXT)
+    from adapters.engine.build import load_engine
+
+    built = load_engine(options)
+    engine = built.engine
+    context = engine.limits.max_context  # the model's, or what the pool holds
+    on_thread = EngineDecoder(engine, built.threads)
+    return LocalDecoder(on_thread, context, engine.loaded.name, engine.loaded.tokenizer)

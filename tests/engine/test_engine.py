@@ -10,12 +10,13 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from adapters.engine.choose import working_formats
-from adapters.engine.engine import Engine, EngineThread, logprob_records, sample_rows
+from adapters.engine.engine import Engine, logprob_records, sample_rows
 from adapters.engine.families import UnsupportedModel
 from adapters.engine.grammar import forbidden_penalty
 from adapters.engine.model import LoadedModel
 from adapters.engine.runner import Runner
 from adapters.engine.sampling import TokenDraw
+from adapters.engine.thread import EngineThread
 from adapters.engine.weights import FORMATS, activation_dtype, projection
 from core.batching import BatchLimits
 from core.protocol import (

@@ -1,0 +1,82 @@
+"""From EngineOptions to an Engine, with each decision made once and in order.
+
+Serve, worker and the benches build their engines here. The order matters:
+torch's CPU threads are set first, so that choosing the weight format measures
+what serving will run; the format is chosen next (adapters/engine/choose.py,
+which runs the quality gate and so builds engines of its own: that is why the
+Engine itself takes a concrete format and never chooses); the served context
+is options.py's served_context of the model's own; then the Engine sizes its
+KV pool (and may cut the context to it, logged). The threads the engine's
+stepping thread takes are decided last, because the native format wants every
+core (options.serving_threads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from adapters.engine.choose import choose
+from adapters.engine.engine import Engine
+from adapters.engine.model import LoadedModel, load_model, say
+from adapters.engine.options import (
+    EngineOptions,
+    default_threads,
+    served_context,
+    serving_threads,
+)
+from core.batching import BatchLimits
+
+
+@dataclass(frozen=True)
+class BuiltEngine:
+    """An engine as serving runs it, and the CPU threads its stepping thread sets
+    (None: torch's own, as on a GPU)."""
+
+    engine: Engine
+    threads: int | None
+
+
+def weight_format(loaded: LoadedModel, requested: str, rows: int) -> str:
+    """The format to load `loaded` in: `requested`, or for "auto" the one choose()
+    measures for `rows` rows (its reason logged)."""
+    if requested != "auto":
+        return requested
+    choice = choose(loaded, rows, say)
+    say(choice.reason)
+    return choice.format
+
+
+def build_engine(loaded: LoadedModel, options: EngineOptions, **engine: Any) -> BuiltEngine:
+    """The Engine `options` describe on a loaded model; `engine`: Engine's other
+    keywords (block_size, grammar_tokenizer, kv_cache_share), for benches and tests."""
+    device = loaded.device.type
+    threads = options.threads if options.threads is not None else default_threads(device)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    fmt = weight_format(loaded, options.weights, options.slots)
+    limits = BatchLimits(
+        max_seqs=options.slots, max_context=served_context(loaded.max_context, options.max_context)
+    )
+    built = Engine(
+        loaded,
+        limits,
+        fmt,
+        prefix_caching=options.prefix_caching,
+        kv_cache_tokens=options.kv_cache_tokens,
+        decode=options.decode,
+        attention=options.attention,
+        **engine,
+    )
+    if options.threads is None and fmt == "w4a16":
+        threads = serving_threads(device, fmt)
+        say(f"weights w4a16: the engine takes all {threads} CPU threads")
+    return BuiltEngine(built, threads)
+
+
+def load_engine(options: EngineOptions, quiet: bool = False) -> BuiltEngine:
+    """Load options.model (its context cut once, served_context) and build its engine."""
+    loaded = load_model(options.model, quiet=quiet, max_context=options.max_context)
+    return build_engine(loaded, options)
