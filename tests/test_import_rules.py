@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.import_rules import violations
+from tests.support.import_rules import BENCH_PACKAGES, violations
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -97,6 +97,41 @@ def _messages(root: Path) -> list[str]:
             "import importlib\nsim = importlib.import_module('sim')\n",
             ["adapters code makes a dynamic import, which no rule can check"],
         ),
+        (
+            "adapters/openai/x.py",
+            "from bench.gpu_check import main\n",
+            ["code outside the benches imports bench.gpu_check"],
+        ),
+        # the floors: core < engine < runtime < openai < cli < the benches
+        (
+            "adapters/runtime/x.py",
+            "from adapters.openai.server import FencepostApp\n",
+            ["an arrow up the floors: adapters.runtime.x imports adapters.openai.server"],
+        ),
+        (
+            "adapters/runtime/x.py",
+            "def run() -> None:\n    from adapters import cli, engine, openai\n",
+            [
+                "an arrow up the floors: adapters.runtime.x imports adapters.cli",
+                "an arrow up the floors: adapters.runtime.x imports adapters.openai",
+            ],
+        ),
+        (
+            "adapters/openai/x.py",
+            "from ..cli.serve import ServeOptions\n",
+            ["an arrow up the floors: adapters.openai.x imports adapters.cli.serve"],
+        ),
+        (
+            "adapters/runtime/x.py",
+            "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    from adapters.openai.server import FencepostApp\n",
+            ["an arrow up the floors: adapters.runtime.x imports adapters.openai.server"],
+        ),
+        (  # the engine's own rule names it, once
+            "adapters/engine/x.py",
+            "from adapters.cli import main\n",
+            ["the engine imports adapters.cli"],
+        ),
     ],
 )
 def test_a_deliberate_violation_is_caught(
@@ -123,6 +158,100 @@ def test_allowed_imports_pass(tmp_path: Path) -> None:
     assert violations(root) == []
 
 
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        (
+            {
+                "adapters/engine/a.py": "from adapters.engine.b import B\n",
+                "adapters/engine/b.py": "def f() -> None:\n    from adapters.engine import a\n",
+            },
+            ["import circle in adapters.engine: a -> b -> a (a.py:1, b.py:2)"],
+        ),
+        (
+            {
+                "core/a.py": "from .b import x\n",
+                "core/b.py": "from . import c\n",
+                "core/c.py": "import core.a\n",
+            },
+            ["import circle in core: a -> b -> c -> a (a.py:1, b.py:1, c.py:1)"],
+        ),
+        (  # two circles through one module: both told
+            {
+                "sim/hub.py": "from sim import left, right\n",
+                "sim/left.py": "from sim.hub import x\n",
+                "sim/right.py": "from sim.hub import y\n",
+            },
+            [
+                "import circle in sim: hub -> left -> hub (hub.py:1, left.py:1)",
+                "import circle in sim: hub -> right -> hub (hub.py:1, right.py:1)",
+            ],
+        ),
+        (
+            {
+                "adapters/cli/__init__.py": "from adapters.cli.main import parser\n",
+                "adapters/cli/main.py": "from adapters.cli import positive\n",
+            },
+            [
+                "import circle in adapters.cli: __init__ -> main -> __init__"
+                " (__init__.py:1, main.py:1)"
+            ],
+        ),
+        (
+            {
+                "adapters/engine/families/llama.py": "from adapters.engine.spec import Spec\n",
+                "adapters/engine/spec.py": "from adapters.engine.families import llama\n",
+            },
+            [
+                "import circle in adapters.engine: families.llama -> spec -> families.llama"
+                " (families/llama.py:1, spec.py:1)"
+            ],
+        ),
+        (
+            {"bench/a.py": "import bench.b\n", "bench/b.py": "from bench import a\n"},
+            ["import circle in bench: a -> b -> a (a.py:1, b.py:1)"],
+        ),
+        (  # only the TYPE_CHECKING branch is left out; its else runs
+            {
+                "adapters/runtime/a.py": "from adapters.runtime.b import B\n",
+                "adapters/runtime/b.py": "from typing import TYPE_CHECKING\n"
+                "if TYPE_CHECKING:\n    pass\nelse:\n    from adapters.runtime.a import A\n",
+            },
+            ["import circle in adapters.runtime: a -> b -> a (a.py:1, b.py:5)"],
+        ),
+    ],
+)
+def test_an_import_circle_inside_a_package_is_caught(
+    tmp_path: Path, files: dict[str, str], expected: list[str]
+) -> None:
+    assert _messages(_tree(tmp_path, files)) == expected
+
+
+def test_arrows_down_the_floors_and_type_only_imports_back_pass(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "adapters/engine/a.py": "from core.protocol import Token\nfrom . import b\n",
+            "adapters/engine/b.py": "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    from adapters.engine.a import A\n",
+            "adapters/runtime/a.py": "from adapters.engine import a\nfrom core import protocol\n",
+            "adapters/openai/a.py": "from adapters.runtime.a import X\n"
+            "from adapters.engine.a import Y\n",
+            "adapters/cli/serve.py": "from adapters.openai import a\n"
+            "from adapters import runtime\n",
+            "adapters/cli/bench.py": "def run() -> None:\n    from adapters.bench import drill\n"
+            "    import bench.gpu_check\n",
+            "adapters/bench/drill.py": "from adapters.cli import serve\nimport bench.gpu_check\n",
+            "bench/gpu_check.py": "from adapters.bench.drill import x\n"
+            "from adapters.openai import a\nimport sim\n",
+            # the same module names in two packages are two modules: no circle
+            "sim/a.py": "from core import a\n",
+            "core/a.py": "from core import protocol\n",
+        },
+    )
+    assert violations(root) == []
+
+
 # Build the command line, parse a serving command's flags, and list what got loaded.
 _PARSE_AND_LIST = """
 import sys
@@ -144,7 +273,7 @@ def _loaded_by(*argv: str) -> frozenset[str]:
     "argv",
     [("serve", "--fake", "--port", "0"), ("worker", "--connect", "127.0.0.1:9000", "--fake")],
 )
-@pytest.mark.parametrize("package", ["adapters.bench", "sim"])
+@pytest.mark.parametrize("package", [*BENCH_PACKAGES, "sim"])
 def test_serving_commands_load_neither_the_simulator_nor_the_benches(
     argv: tuple[str, ...], package: str
 ) -> None:
