@@ -78,7 +78,7 @@ def add_kv_cache_arguments(parser: argparse.ArgumentParser) -> None:
 MODEL_HELP = "HF directory or .gguf (default: embedded)"
 
 
-def add_model_argument(parser: argparse.ArgumentParser, help: str = MODEL_HELP) -> None:
+def add_model_argument(parser: argparse._ActionsContainer, help: str = MODEL_HELP) -> None:
     """--model: the model to load, as every command that loads one takes it."""
     parser.add_argument("--model", default=None, help=help)
 

@@ -18,6 +18,8 @@ from pathlib import Path
 from adapters.cli import (
     add_decode_arguments,
     add_kv_cache_arguments,
+    add_model_argument,
+    add_threads_argument,
     add_weights_argument,
     natural,
     positive,
@@ -75,7 +77,7 @@ def _runtime(args: argparse.Namespace) -> int:
 
 
 def _serve_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF directory or .gguf")
+    add_model_argument(parser)
     parser.add_argument("--fake", action="store_true", help="the fake model (harness check)")
     parser.add_argument("--concurrency", default="1,8,16")
     parser.add_argument("--tokens", type=positive, default=128)
@@ -83,7 +85,7 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-limit", type=positive, default=600, help="seconds a run")
     parser.add_argument("--mixed", action="store_true", help="add slow and hang-up clients")
     parser.add_argument("--baselines", action="store_true", help="naive and HF servers too")
-    parser.add_argument("--threads", type=positive, default=None)
+    add_threads_argument(parser)
     add_weights_argument(parser)  # a random-weight model needs one named: no perplexity
     parser.add_argument(
         "--peer-llama-cpp",
@@ -153,7 +155,7 @@ def _plot_problem(path: Path) -> str | None:
 
 
 def _drill_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="real-model workers (default: fake)")
+    add_model_argument(parser, "real-model workers (default: fake)")
     parser.add_argument("--clients", type=positive, default=16)
     parser.add_argument("--duration", type=positive, default=20, help="seconds of load")
     parser.add_argument("--kill-at", type=positive, default=6, help="seconds into the load")
@@ -227,7 +229,7 @@ def _chat_flags(parser: argparse.ArgumentParser) -> None:
     only.add_argument("--real-only", action="store_true", help="skip the fake runs")
     parser.add_argument("--fake-prefill-ms-per-token", type=float, default=0.5, metavar="MS")
     parser.add_argument("--fake-step-ms", type=float, default=10.0, metavar="MS")
-    parser.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
+    add_model_argument(parser)
     parser.add_argument("--time-limit", type=positive, default=300, help="seconds a run")
 
 
@@ -252,8 +254,8 @@ def _chat(args: argparse.Namespace) -> int:
 
 def _naive_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=positive, required=True)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--threads", type=positive, default=None)
+    add_model_argument(parser)
+    add_threads_argument(parser)
 
 
 def _naive_server(args: argparse.Namespace) -> int:
@@ -263,10 +265,10 @@ def _naive_server(args: argparse.Namespace) -> int:
 
 
 def _engine_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
+    add_model_argument(parser)
     parser.add_argument("--tokens", type=positive, default=128, help="new tokens per request")
     parser.add_argument("--concurrency", default="1,4,8,16", help="comma-separated stream counts")
-    parser.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
+    add_threads_argument(parser)
     parser.add_argument(
         "--device", choices=("auto", "cuda", "cpu"), default="auto",
         help="where the model runs (auto: CUDA when present; bf16 there, the weights "
@@ -325,10 +327,10 @@ def _engine(args: argparse.Namespace) -> int:
 
 
 def _quality_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
+    add_model_argument(parser)
     parser.add_argument("--tokens", type=positive, default=2048, help="tokens of text scored")
     parser.add_argument("--generate", type=positive, default=48, help="greedy tokens a prompt")
-    parser.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
+    add_threads_argument(parser)
     parser.add_argument(
         "--formats", type=_format_list, default=None, metavar="F,F",
         help="only these weight formats (fp32, the reference, always runs; default: every "
@@ -353,9 +355,9 @@ def _quality(args: argparse.Namespace) -> int:
 
 
 def _memory_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF directory, .gguf or hub id")
+    add_model_argument(parser, "HF directory, .gguf or hub id (default: embedded)")
     parser.add_argument("--formats", default="fp32,w4a16", help="comma-separated weight formats")
-    parser.add_argument("--threads", type=positive, default=None)
+    add_threads_argument(parser)
 
 
 def _memory(args: argparse.Namespace) -> int:

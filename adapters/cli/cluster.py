@@ -43,7 +43,8 @@ from typing import Any
 
 import trio
 
-from adapters.cli import add_key_arguments, positive
+from adapters.cli import add_key_arguments, add_model_argument, positive
+from adapters.engine.options import DEFAULT_SLOTS
 
 log = logging.getLogger("fencepost.cluster")
 
@@ -57,9 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=positive, default=2)
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--fake", action="store_true", help="fake workers (no model)")
-    model.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
+    add_model_argument(model)
     parser.add_argument("--port", type=int, default=8000, help="the balancer's port (0: any)")
-    parser.add_argument("--slots", type=positive, default=16, help="concurrent sequences a worker")
+    parser.add_argument(
+        "--slots", type=positive, default=DEFAULT_SLOTS, help="concurrent sequences a worker"
+    )
     parser.add_argument("--fake-step-ms", type=float, default=0.0)
     parser.add_argument("--logs", type=Path, default=None, help="log folder (default: a new one)")
     add_key_arguments(parser)  # given to every router
