@@ -90,10 +90,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a plai
 
 import torch
 
-from adapters.bench.measure import hf_generate_rate, memory_bandwidth_gbs, sync
 from adapters.engine.engine import DECODE_PATHS, Engine
 from adapters.engine.model import LoadedModel
 from adapters.engine.paged_attention import ATTENTIONS
+from bench.measure import hf_generate_rate, memory_bandwidth_gbs, sync
 from core.batching import BatchLimits
 from core.protocol import Assignment, Decoded, DecodeDone, GenerationRequest, Sampling
 
@@ -488,7 +488,7 @@ def check_decode_paths(
 
 
 def hf_rate(model: Any, prompt: tuple[int, ...], tokens: int, cap_s: float, **kw: Any) -> float:
-    """HF generate tokens/s at batch 1 (adapters/bench/measure.py), with the warm-up's
+    """HF generate tokens/s at batch 1 (bench/measure.py), with the warm-up's
     time printed: that first call is where a static cache compiles."""
     rate, warm_s = hf_generate_rate(model, prompt, tokens, cap_s=cap_s, **kw)
     print(f"    (first call, warm-up{' and compile' if kw else ''}: {warm_s:.1f} s)")

@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-from adapters.bench.engine import TYPICAL_SCHEMA
+from bench.engine import TYPICAL_SCHEMA
 
 ANSWER = {
     "name": "Ada Lovelace",

@@ -64,18 +64,18 @@ def _messages(root: Path) -> list[str]:
         ),
         (
             "adapters/openai/x.py",
-            "from adapters.bench.harness import scrape\n",
-            ["code outside the benches imports adapters.bench.harness"],
+            "from bench.harness import scrape\n",
+            ["code outside the benches imports bench.harness"],
         ),
         (
             "adapters/openai/x.py",
-            "from adapters import bench\n",
-            ["code outside the benches imports adapters.bench"],
+            "import bench\n",
+            ["code outside the benches imports bench"],
         ),
         (
             "adapters/cli/sim.py",
-            "from sim.simulator import Scenario\nfrom adapters.bench import harness\n",
-            ["code outside the benches imports adapters.bench"],
+            "from sim.simulator import Scenario\nfrom bench import harness\n",
+            ["code outside the benches imports bench"],
         ),
         (
             "adapters/engine/x.py",
@@ -148,8 +148,8 @@ def test_allowed_imports_pass(tmp_path: Path) -> None:
             "sim/ok.py": "import heapq\nfrom core.router import Router\n",
             "adapters/cli/sim.py": "def run() -> None:\n    from sim.simulator import Scenario\n",
             "adapters/cli/mutants.py": "import subprocess\nfrom sim import sweep\n",
-            "adapters/cli/bench.py": "def run() -> None:\n    from adapters.bench import router\n",
-            "adapters/bench/drill.py": "from adapters.bench.harness import Server\nimport sim\n",
+            "adapters/cli/bench.py": "def run() -> None:\n    from bench import router\n",
+            "bench/drill.py": "from bench.harness import Server\nimport sim\n",
             "adapters/engine/ok.py": "import torch\nfrom core.batching import BatchLimits\n"
             "from . import llama\n",
             "adapters/runtime/ok.py": "import trio\nfrom adapters.engine.engine import Engine\n",
@@ -239,10 +239,10 @@ def test_arrows_down_the_floors_and_type_only_imports_back_pass(tmp_path: Path) 
             "from adapters.engine.a import Y\n",
             "adapters/cli/serve.py": "from adapters.openai import a\n"
             "from adapters import runtime\n",
-            "adapters/cli/bench.py": "def run() -> None:\n    from adapters.bench import drill\n"
+            "adapters/cli/bench.py": "def run() -> None:\n    from bench import drill\n"
             "    import bench.gpu_check\n",
-            "adapters/bench/drill.py": "from adapters.cli import serve\nimport bench.gpu_check\n",
-            "bench/gpu_check.py": "from adapters.bench.drill import x\n"
+            "bench/drill.py": "from adapters.cli import serve\nimport bench.gpu_check\n",
+            "bench/gpu_check.py": "from bench.harness import x\n"
             "from adapters.openai import a\nimport sim\n",
             # the same module names in two packages are two modules: no circle
             "sim/a.py": "from core import a\n",

@@ -1,8 +1,8 @@
-"""`fencepost bench NAME`: every bench's flags, and the way into adapters/bench.
+"""`fencepost bench NAME`: every bench's flags, and the way into bench.
 
 The flags live here, in one table with a runner per bench, so that building
 the command line imports no bench: each runner imports its module from
-adapters/bench only once that bench is chosen, and turns the parsed flags
+bench only once that bench is chosen, and turns the parsed flags
 into the module's own arguments.
 """
 
@@ -51,7 +51,7 @@ def _router_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _router(args: argparse.Namespace) -> int:
-    from adapters.bench import router
+    from bench import router
 
     return router.main(
         workers=args.workers, requests=args.requests, tokens=args.tokens, rounds=args.rounds
@@ -66,7 +66,7 @@ def _runtime_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _runtime(args: argparse.Namespace) -> int:
-    from adapters.bench import runtime
+    from bench import runtime
 
     return runtime.main(
         requests=args.requests,
@@ -116,7 +116,7 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from adapters.bench import serve
+    from bench import serve
 
     if args.plot is not None and (problem := _plot_problem(args.plot)) is not None:
         print(f"fencepost bench serve: {problem}", file=sys.stderr, flush=True)
@@ -143,7 +143,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _plot_problem(path: Path) -> str | None:
     """Why --plot could not write its file, found before the run rather than after it."""
-    from adapters.bench import plot
+    from bench import plot
 
     try:
         plot.require()
@@ -179,10 +179,10 @@ def _drill_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _drill(args: argparse.Namespace) -> int:
-    from adapters.bench import drill
+    from bench import drill
 
     if args.rolling:
-        from adapters.bench import rolling
+        from bench import rolling
 
         return rolling.main(
             rolling.Rolling(
@@ -234,7 +234,7 @@ def _chat_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from adapters.bench import chat
+    from bench import chat
 
     load = chat.ChatLoad(
         conversations=args.conversations,
@@ -259,7 +259,7 @@ def _naive_server_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _naive_server(args: argparse.Namespace) -> int:
-    from adapters.bench import naive_server
+    from bench import naive_server
 
     return naive_server.main(port=args.port, model_path=args.model, threads=args.threads)
 
@@ -301,7 +301,7 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine(args: argparse.Namespace) -> int:
-    from adapters.bench import engine
+    from bench import engine
 
     schema = None
     if args.json_schema is not None:
@@ -349,7 +349,7 @@ def _format_list(text: str) -> tuple[str, ...]:
 
 
 def _quality(args: argparse.Namespace) -> int:
-    from adapters.bench import quality
+    from bench import quality
 
     return quality.main(args.model, args.tokens, args.generate, args.threads, args.formats)
 
@@ -361,7 +361,7 @@ def _memory_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _memory(args: argparse.Namespace) -> int:
-    from adapters.bench import memory
+    from bench import memory
 
     return memory.main(args.model, args.formats.split(","), args.threads)
 
@@ -376,7 +376,7 @@ def _attack_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _attack(args: argparse.Namespace) -> int:
-    from adapters.bench import attack
+    from bench import attack
 
     return attack.main(
         args.seconds, args.http_rate, args.tls_rate, args.clients, args.tokens, args.step_ms

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from adapters.bench import chat
+from bench import chat
 
 
 def test_a_tiny_fake_chat_run_reports_cache_hits_on_later_turns(tmp_path: Path) -> None:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from adapters.bench import plot, serve
-from adapters.bench.loadgen import StreamResult
 from adapters.cli.main import main
+from bench import plot, serve
+from bench.loadgen import StreamResult
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

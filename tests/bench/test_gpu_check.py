@@ -71,8 +71,8 @@ def test_no_budget_skips_every_part_and_says_so(capsys: pytest.CaptureFixture[st
 
 
 def test_bench_engine_takes_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    from adapters.bench import engine
     from adapters.cli.main import main
+    from bench import engine
 
     seen: dict[str, object] = {}
 

@@ -11,7 +11,6 @@ from typing import Literal
 import pytest
 import torch
 
-from adapters.bench.engine import transformers_model
 from adapters.engine.choose import GATE_TOKENS, choice_cache, choose, working_formats
 from adapters.engine.engine import Engine
 from adapters.engine.model import (
@@ -23,6 +22,7 @@ from adapters.engine.model import (
     load_model,
 )
 from adapters.engine.quality import gate_cache, passes, perplexities
+from bench.engine import transformers_model
 from core.batching import BatchLimits
 from core.protocol import Assignment, Decoded, GenerationRequest, Sampling
 

@@ -6,8 +6,8 @@ core itself); the modules the design forbids by name are listed separately so
 a violation reads as what it is. sim/ may import core, sim and the standard
 library, never adapters or a third-party package.
 
-adapters/ is production code except for the benches (BENCH_PACKAGES: today
-adapters/bench/ and top-level bench/) and the commands that run the simulator
+adapters/ is production code; the benches live in their own top-level home
+(BENCH_PACKAGES: bench/); the benches and the commands that run the simulator
 or a bench: those alone may import sim, and only the benches and their command
 may import a bench, so a server never carries either. adapters/engine turns
 assignments into tokens on its own thread and knows nothing of the runtime,
@@ -56,9 +56,8 @@ CORE_ALLOWED = frozenset(
 )  # fmt: skip
 SIM_ALLOWED_PACKAGES = frozenset({"core", "sim"})
 
-# The benches' homes. Today two; a planned move leaves top-level bench/ the one home, and
-# then "adapters.bench" leaves this tuple and every rule below follows.
-BENCH_PACKAGES = ("adapters.bench", "bench")
+# The benches' home (one: top-level bench/); every rule below follows this tuple.
+BENCH_PACKAGES = ("bench",)
 BENCHES = tuple(package.replace(".", "/") + "/" for package in BENCH_PACKAGES)
 # Paths (a folder ends in "/") that may import sim, and the benches.
 MAY_IMPORT_SIM = (

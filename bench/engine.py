@@ -37,7 +37,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from adapters.bench import measure
 from adapters.engine.build import weight_format
 from adapters.engine.engine import Engine, logprob_records
 from adapters.engine.grammar import json_schema_grammar
@@ -45,6 +44,7 @@ from adapters.engine.model import LoadedModel, chat_token_ids, load_model
 from adapters.engine.options import DEFAULT_KV_CACHE_TOKENS
 from adapters.engine.runner import DEFAULT_BLOCK_SIZE
 from adapters.engine.sampling import TokenDraw
+from bench import measure
 from core.batching import BatchLimits
 from core.protocol import Assignment, Constraint, Decoded, DecodeDone, GenerationRequest, Sampling
 

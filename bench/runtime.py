@@ -23,12 +23,12 @@ from pathlib import Path
 
 import trio
 
-from adapters.bench.harness import FENCEPOST
 from adapters.runtime.controller import Controller
 from adapters.runtime.embedded import run_local_worker
 from adapters.runtime.tcp_router import serve_workers
 from adapters.runtime.tls import Credentials, TlsFiles, make_certificates, server_context
 from adapters.runtime.worker_host import FakeDecoder
+from bench.harness import FENCEPOST
 from core.config import RouterConfig
 from core.protocol import DeliverError, GenerationRequest
 from core.worker import WorkerConfig

@@ -49,7 +49,7 @@ def main(port: int, model_path: str | None, threads: int | None) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
     loaded = load_model(model_path)
-    from adapters.bench.engine import transformers_model
+    from bench.engine import transformers_model
 
     tokenizer, model = loaded.tokenizer, transformers_model(loaded)
     app = QuartTrio("naive")

@@ -34,7 +34,7 @@ from typing import Any
 
 import trio
 
-from adapters.bench.harness import (
+from bench.harness import (
     FENCEPOST,
     PROMPTS,
     Server,
@@ -44,7 +44,7 @@ from adapters.bench.harness import (
     series,
     wait_for_workers,
 )
-from adapters.bench.loadgen import FAST, StreamResult, stream_chat, tokens_of
+from bench.loadgen import FAST, StreamResult, stream_chat, tokens_of
 
 MODEL = "chat"
 # Two heartbeats and a little: of the server's own worker (every 0.5 s), of worker processes

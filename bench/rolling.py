@@ -28,7 +28,7 @@ from pathlib import Path
 
 import trio
 
-from adapters.bench.harness import (
+from bench.harness import (
     FENCEPOST,
     PROMPTS,
     Server,
@@ -38,7 +38,7 @@ from adapters.bench.harness import (
     scrape,
     wait_for_workers,
 )
-from adapters.bench.loadgen import FAST, StreamResult, stream_chat
+from bench.loadgen import FAST, StreamResult, stream_chat
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import trio
 
-from adapters.bench.harness import (
+from bench.harness import (
     FENCEPOST,
     PROMPTS,
     Server,
@@ -41,7 +41,7 @@ from adapters.bench.harness import (
     settled_scrape,
     wait_for_workers,
 )
-from adapters.bench.loadgen import FAST, StreamResult, stream_chat
+from bench.loadgen import FAST, StreamResult, stream_chat
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from adapters.bench.serve import Level
+    from bench.serve import Level
 
 INSTALL = "--plot needs matplotlib, which is not installed: pip install 'fencepost[plot]'"
 FIGURE_INCHES = (15.0, 5.0)

@@ -10,7 +10,7 @@ the clean run at the same concurrency; afterwards the server must hold no
 request and no slot. With the real model the same requests then run on the
 engine alone, in this process, for the HTTP + router overhead. --baselines
 adds, in the same run and with the same load, the naive sequential-generate
-server (adapters/bench/naive_server.py) and `transformers serve --continuous-batching`.
+server (bench/naive_server.py) and `transformers serve --continuous-batching`.
 
 Every request is greedy (temperature 0) so every system does the same work.
 
@@ -24,7 +24,7 @@ each server can be compared at its best thread count in one run; --peer-llama-cp
 PYTHON adds llama-cpp-python's server the same way.
 
 --plot FILE.png draws the rows, peers' beside fencepost's, once the run is over
-(adapters/bench/plot.py).
+(bench/plot.py).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Any
 
 import trio
 
-from adapters.bench.harness import (
+from bench.harness import (
     FENCEPOST,
     PROMPTS,
     Server,
@@ -52,7 +52,7 @@ from adapters.bench.harness import (
     percentile,
     scrape,
 )
-from adapters.bench.loadgen import FAST, ClientBehaviour, StreamResult, stream_chat, tokens_of
+from bench.loadgen import FAST, ClientBehaviour, StreamResult, stream_chat, tokens_of
 
 SLOW = ClientBehaviour(slow_read_s=0.2, slow_read_bytes=512, receive_buffer=4096)
 HANG_UP = ClientBehaviour(hang_up_after=5)
@@ -76,7 +76,7 @@ class ServeLoad:
     peer_threads: tuple[int, ...] = ()  # its thread counts, one set of rows each (): ours
     weights: str = "auto"  # the server's and the engine-only run's weight format
     url: str | None = None  # drive the server there instead of starting one
-    plot: Path | None = None  # a PNG of the rows (adapters/bench/plot.py), written at the end
+    plot: Path | None = None  # a PNG of the rows (bench/plot.py), written at the end
 
     @property
     def top(self) -> int:
@@ -246,7 +246,7 @@ def plot(load: ServeLoad, rows: list[Level]) -> None:
     """The rows as a PNG, when --plot asked for one (matplotlib was checked at the start)."""
     if load.plot is None:
         return
-    from adapters.bench.plot import write_plot
+    from bench.plot import write_plot
 
     model = "fake model" if load.fake else load.model_path or "default model"
     title = (f"fencepost bench serve: {model}, {load.tokens} tokens per request, "

@@ -1,6 +1,6 @@
 """Kill -9 a real-model worker mid-stream and check the resumed text is unchanged.
 
-    .venv/bin/python -m adapters.bench.real_model_resume [--tokens 300]
+    .venv/bin/python -m bench.real_model_resume [--tokens 300]
 
 Starts, on 127.0.0.1 only, `fencepost serve --no-local-worker --worker-listen`
 and two `fencepost worker` processes with the embedded default model (2 slots,
@@ -24,7 +24,7 @@ import openai
 import requests
 from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 
-from adapters.bench.harness import FENCEPOST
+from bench.harness import FENCEPOST
 
 MESSAGES: list[ChatCompletionMessageParam] = [
     {"role": "user", "content": "Write a short story about a lighthouse keeper."}

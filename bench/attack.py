@@ -31,7 +31,7 @@ from pathlib import Path
 
 import trio
 
-from adapters.bench.harness import (
+from bench.harness import (
     FENCEPOST,
     Server,
     free_port,
@@ -208,7 +208,7 @@ def main(
                 attacker = None
                 if phase == "attack":
                     attacker = subprocess.Popen(
-                        [sys.executable, "-m", "adapters.bench.attack", str(port),
+                        [sys.executable, "-m", "bench.attack", str(port),
                          str(worker_port), str(http_rate), str(tls_rate), str(seconds),
                          str(certs)],
                         stdout=subprocess.PIPE, text=True,
