@@ -29,6 +29,7 @@ at EOS: a stream that ends early is replaced, so the batch stays full.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import resource
 import statistics
 import time
@@ -343,9 +344,9 @@ def main(
     print(f"  HF generate, 1 stream:              {hf:8.1f} tok/s   (1.00x)")
     limits = BatchLimits(max_seqs=max(concurrency), max_context=2048)
     weights = weight_format(loaded, weights, limits.max_seqs)
-    engine = Engine(
-        endless,
-        limits,
+    engine_of = functools.partial(
+        Engine,
+        limits=limits,
         weights=weights,
         prefix_caching=prefix_caching,
         kv_cache_tokens=kv_cache_tokens,
@@ -353,6 +354,7 @@ def main(
         decode=decode,
         attention=attention,
     )
+    engine = engine_of(endless)
     engine_run(engine, prompt, 1, 8)  # warm up
     rows = []
     steps_at_max: list[float] = []
@@ -394,16 +396,7 @@ def main(
     if shared_prefix is not None:
         shared_prefix_ttft(engine, loaded, shared_prefix)
     if schema is not None:
-        stopping = Engine(
-            loaded,
-            limits,
-            weights=weights,
-            prefix_caching=prefix_caching,
-            kv_cache_tokens=kv_cache_tokens,
-            block_size=block_size,
-            decode=decode,
-            attention=attention,
-        )
+        stopping = engine_of(loaded)  # this one stops at EOS
         constrained_comparison(stopping, loaded, schema, concurrency, tokens)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"  peak RSS: {peak_mib:.0f} MiB")
