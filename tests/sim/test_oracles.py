@@ -22,7 +22,7 @@ from core.protocol import (
 )
 from sim.cluster import Cluster, Packet
 from sim.oracles import FENCE_CAUSES, Disturbances
-from sim.simulator import FAULT_KINDS
+from sim.scenario import FAULT_KINDS
 
 
 def test_a_disturbance_explains_losses_during_it_and_for_a_grace_period_after() -> None:
