@@ -87,9 +87,11 @@ from core.scheduler import Scheduler
 from core.states import SeqState
 from core.worker import Worker, WorkerConfig
 from sim.clock import Clock
+from sim.disturbances import Disturbances
 from sim.kv import KvModel, pool_blocks
-from sim.oracles import Disturbances, Oracles, WorkerOracles
+from sim.oracles import Oracles
 from sim.streams import ClientStream, StreamOracles, diverges
+from sim.worker_oracles import WorkerOracles
 
 # How a misbehaving decoder can go wrong in one step (sim/simulator.py draws one):
 # say a token twice, skip an index, emit a token past the end, or end twice.
@@ -425,7 +427,7 @@ class Cluster:
         queued = node.router.statistics().queued
         self._run_router(node, Submit(request))
         if isinstance(stream.outcome, DeliverError) and stream.outcome.kind == "overloaded":
-            node.oracles.check_overloaded(request.request_id, queued)
+            node.oracles.attempts.check_overloaded(request.request_id, queued)
 
     def cancel(self, request_id: str, router_id: str | None = None) -> None:
         node = self.nodes[router_id] if router_id is not None else self._first()
@@ -741,10 +743,10 @@ class Cluster:
         return counts
 
     def attempts_lost(self) -> int:
-        return sum(node.oracles.attempts_lost for node in self.all_nodes)
+        return sum(node.oracles.attempts.attempts_lost for node in self.all_nodes)
 
     def full_declines(self) -> int:
-        return sum(node.oracles.full_declines for node in self.all_nodes)
+        return sum(node.oracles.attempts.full_declines for node in self.all_nodes)
 
     def resends(self) -> int:
         return sum(node.router.statistics().resends_requested for node in self.all_nodes)

@@ -55,7 +55,7 @@ from core.protocol import (
 )
 from sim.clock import Clock
 from sim.cluster import MISBEHAVIOURS, Cluster, InvariantViolation, Packet
-from sim.oracles import Disturbances
+from sim.disturbances import Disturbances
 from sim.scenario import (
     KV_BLOCK,
     LONGEST_PROMPT,

@@ -19,7 +19,7 @@ from core.worker import Worker
 from sim.streams import ClientStream
 
 if TYPE_CHECKING:
-    from sim.oracles import Recovered
+    from sim.worker_oracles import Recovered
 
 
 class WorkerSideView(Protocol):

@@ -21,7 +21,7 @@ from core.protocol import (
     WorkerStart,
 )
 from sim.cluster import Cluster, Packet
-from sim.oracles import FENCE_CAUSES, Disturbances
+from sim.disturbances import FENCE_CAUSES, Disturbances
 from sim.scenario import FAULT_KINDS
 
 
