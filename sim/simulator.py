@@ -54,8 +54,10 @@ from core.protocol import (
     Token,
 )
 from sim.clock import Clock
-from sim.cluster import MISBEHAVIOURS, Cluster, InvariantViolation, Packet
+from sim.cluster import Cluster, Packet
+from sim.decoders import MISBEHAVIOURS
 from sim.disturbances import Disturbances
+from sim.invariants import InvariantViolation
 from sim.scenario import (
     KV_BLOCK,
     LONGEST_PROMPT,
@@ -65,6 +67,7 @@ from sim.scenario import (
     draw_router_faults,
     draw_swarm,
 )
+from sim.streams import error_causes, outcomes
 from sim.timeline import Timeline
 
 MAX_EVENTS = 2_000_000  # a long run takes about 60,000
@@ -223,7 +226,7 @@ class Simulation:
             self._trace(f"seed {self.seed} swarm {sorted(self.swarm.enabled)}")
         for index, worker_id in enumerate(self._worker_ids):
             slots = self.swarm.slots[index]
-            self.cluster.pool_share[worker_id] = self.swarm.pool_share[index]
+            self.cluster.decoders.pool_share[worker_id] = self.swarm.pool_share[index]
             assert self.cluster.start_worker(worker_id, slots=slots)
             chunk = self.swarm.max_prefill_tokens
             self._limits[worker_id] = BatchLimits(
@@ -244,7 +247,7 @@ class Simulation:
                 self.events += 1
                 if self.events > MAX_EVENTS:  # a livelock (a timer re-armed in the past...)
                     raise InvariantViolation(f"more than {MAX_EVENTS} events: a livelock")
-                cluster.check_safety()
+                cluster.invariants.check_safety()
                 now = self.clock.now
                 cluster.worker_oracles.check_waste(now, self._waste_bound_s, self._waste_every_s)
                 for node in cluster.nodes.values():
@@ -255,9 +258,11 @@ class Simulation:
             if not self._settled():
                 budget = self._liveness_deadline - self.scenario.fault_end_s
                 violation = f"liveness: not settled {budget:.1f}s after heal: "
-                violation += "; ".join(self.cluster.unsettled_reasons()) or "decoders running"
+                violation += (
+                    "; ".join(self.cluster.invariants.unsettled_reasons()) or "decoders running"
+                )
             else:
-                self.cluster.check_end(self.disturbances.kinds)
+                self.cluster.invariants.check_end(self.disturbances.kinds)
         except InvariantViolation as error:
             violation = f"safety: {error}"
         except Exception as error:  # a machine raised: as much a finding as a bad delivery
@@ -435,7 +440,7 @@ class Simulation:
         return rng.choice(MISBEHAVIOURS) if rng.random() < 0.3 else None
 
     def _settled(self) -> bool:
-        return self._pending_clients == 0 and self.cluster.settled()
+        return self._pending_clients == 0 and self.cluster.invariants.settled()
 
     # --- clients ---
 
@@ -657,12 +662,12 @@ class Simulation:
         """Each worker with work and no step under way plans its next batched step
         (core.batching) and takes it after the time that step costs."""
         cluster, swarm = self.cluster, self.swarm
-        for worker_id, decodes in cluster.decoders():
+        for worker_id, decodes in cluster.decoders.each_worker():
             if not decodes or self._decode_pending[worker_id] or not cluster.alive(worker_id):
                 continue
             if self._hung_until and self.clock.now < self._hung_until.get(worker_id, 0.0):
                 continue  # hung: no step, no token; its worker heartbeats on
-            plan = cluster.plan_step(worker_id, self._limits[worker_id])
+            plan = cluster.decoders.plan(worker_id, self._limits[worker_id])
             if not plan.tokens:
                 continue
             slow = self._slowness[worker_id]
@@ -677,7 +682,7 @@ class Simulation:
             return  # scheduled for a process that has since crashed
         self._decode_pending[worker_id] = False
         if self.cluster.alive(worker_id):
-            self.cluster.run_step(worker_id, plan, partial(self._misbehaviour, worker_id))
+            self.cluster.decoders.run(worker_id, plan, partial(self._misbehaviour, worker_id))
 
     # --- faults ---
 
@@ -905,7 +910,7 @@ class Simulation:
             self._trace(f"{self.clock.now:9.4f} sim     {text}")
 
     def _result(self, violation: str | None) -> SimResult:
-        cluster = self.cluster
+        cluster, decoders = self.cluster, self.cluster.decoders
         return SimResult(
             seed=self.seed,
             violation=violation,
@@ -913,20 +918,20 @@ class Simulation:
             tokens_delivered=cluster.tokens_delivered(),
             events=self.events,
             virtual_time_s=self.clock.now,
-            outcomes=cluster.outcomes(),
+            outcomes=outcomes(cluster.streams()),
             faults=self.faults,
             fenced=cluster.fenced(),
             resumes=cluster.resumes(),
             attempts_lost=cluster.attempts_lost(),
             waste_s=cluster.waste_s(),
-            errors=cluster.error_causes(),
+            errors=error_causes(cluster.streams()),
             most_completed=max(cluster.worker_oracles.completions.values(), default=0),
             routers=self.scenario.routers,
             client_retries=self._client_retries,
             full_declines=cluster.full_declines(),
             handoffs=cluster.handoffs(),
-            preemptions=(cluster.preemptions, cluster.recomputed_tokens),
-            prefill_tokens=(cluster.prefill_tokens[0], cluster.prefill_tokens[1]),
+            preemptions=(decoders.preemptions, decoders.recomputed_tokens),
+            prefill_tokens=(decoders.prefill_tokens[0], decoders.prefill_tokens[1]),
             trace_hash=self._hash.hexdigest() if self._hash is not None else None,
             trace_tail=list(self._tail),
         )

@@ -166,7 +166,7 @@ class WorkerOracles:
     def check_waste(self, now: float, bound_s: float, every_s: float) -> None:
         """No worker keeps an unwanted assignment past the bound once undisturbed.
         (Work of a router that died is let go of when the worker hears its link
-        close; check_safety sees that it never outlives the link.)"""
+        close; Invariants.check_safety sees that it never outlives the link.)"""
         if now - self._last_waste_check < every_s or self.disturbances is None:
             return
         step = now - self._last_waste_check

@@ -100,8 +100,8 @@ def _streaming(cluster: Cluster, tokens: int) -> list[Packet]:
                 taken.append(packet)
             else:
                 cluster.deliver_packet(packet)
-        elif len(taken) < tokens and cluster.running_decodes():
-            cluster.decode_step(*cluster.running_decodes()[0])
+        elif len(taken) < tokens and cluster.decoders.running():
+            cluster.decoders.step(*cluster.decoders.running()[0])
         else:
             break
     assert len(taken) == tokens
