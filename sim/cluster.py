@@ -119,7 +119,6 @@ class Cluster:
         slots: int = 2,
         max_context: int = 4096,
         heartbeat_interval_s: float = 0.5,
-        on_send: Callable[[Packet], None] | None = None,
         trace: Callable[[str], None] | None = None,
         clock: Clock | None = None,
         disturbances: Disturbances | None = None,
@@ -128,7 +127,9 @@ class Cluster:
         routers: int = 1,
     ) -> None:
         self.clock = clock or Clock()
-        self.on_send = on_send or self.in_flight_append
+        # Where each packet sent goes: held in `in_flight` until the driver delivers it,
+        # unless the driver brings a network of its own (the simulator: sim/network.py).
+        self.on_send: Callable[[Packet], None] = self.in_flight_append
         self.trace = trace
         # Told of every delivery to a client (router id, the delivery): a timeline.
         self.on_deliver: Callable[[str, DeliverToken | DeliverFinished | DeliverError], None]
