@@ -44,7 +44,7 @@ HEARTBEAT_STOPS = frozenset({"stall", "partition", "blackout", "crash", "drain",
 # delivered when it resumes, and a heal that ends the stall early can reorder it), and
 # the run event "overtake": a control message that landed after one sent later on its
 # link, which the small per-message delays of a quiet network also cause now and then
-# (sim/simulator.py _note_overtake).
+# (sim/network.py _note_overtake).
 REORDERING = frozenset({"late", "delay_spread", "duplicate", "replay", "stall", "overtake"})
 FENCE_CAUSES: dict[str, frozenset[str]] = {
     "router.wrong_worker": frozenset(),
