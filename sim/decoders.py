@@ -54,7 +54,7 @@ from sim.disturbances import Disturbances
 from sim.kv import KvModel, pool_blocks
 from sim.streams import diverges
 
-# How a misbehaving decoder can go wrong in one step (sim/faults.py draws one):
+# How a misbehaving decoder can go wrong in one step (sim/steps.py draws one):
 # say a token twice, skip an index, emit a token past the end, or end twice.
 MISBEHAVIOURS = ("repeat", "skip", "overrun", "end_twice")
 
