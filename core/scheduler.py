@@ -1,7 +1,7 @@
 """One decoder's continuous batching: who waits, who runs, who is preempted, what a step computes.
 
 The torch engine (adapters/engine/engine.py) and every simulated worker
-(sim/cluster.py) drive this one Scheduler over their KV pool (core/blocks.py's
+(sim/decoders.py) drive this one Scheduler over their KV pool (core/blocks.py's
 BlockManager, or the simulator's checking model of it), so the policy the
 sweeps judge is the policy that serves. Those callers own the tensors (or
 the fake decoder): they say what a step computed (`prefilled`, `emitted`),

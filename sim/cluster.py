@@ -6,22 +6,13 @@ things happen: the caller (a hypothesis state machine in the tests, a seeded
 scheduler in the simulator) picks which in-flight message to deliver, which
 to duplicate, when a decoder makes a step and when time advances. The cluster
 executes the machines' effects faithfully and records what every client saw,
-so the oracles in check_safety() can judge the run after every step. The
-machines' timers go on the caller's clock (sim/clock.py), the one queue of
-everything that happens in a run; a caller that brings none gets its own.
-What a driver needs to know or do is a method here, so drivers never reach
-into the cluster's tables.
-
-Decoders run core's fake model (core/fake_model.py), which is deterministic
-and autoregressive like a real one, so every attempt of a greedy or seeded
-request, on any worker, produces the same output, and the client's stream
-must always be a prefix of reference_output(). A continuation (a request
-with an output_prefix) takes the prefix as context and so goes on exactly
-where the client is. Unseeded sampling (temperature > 0, no seed) is
-modelled as what it is on real hardware: each attempt draws a different
-sequence (the attempt number salts the function), so a client sees one
-attempt's output, or, after a resume, one attempt's prefix continued by a
-later attempt given that prefix.
+so the oracles can judge the run after every step (`invariants.check_safety()`,
+sim/invariants.py). The machines' timers go on the caller's clock
+(sim/clock.py Timers), the one queue of everything that happens in a run; a
+caller that brings none gets its own. Each worker process's decoder is one of
+`decoders` (sim/decoders.py): the worker machine starts and stops its decodes,
+the driver plans and takes its steps. What a driver needs to know or do is a
+method here or there, so drivers never reach into the cluster's tables.
 
 Several routers: each is a RouterNode with its own clients (streams), its
 own timers and its own router-side oracles; request ids are numbered per
@@ -36,22 +27,15 @@ a new router when it comes up.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, ItemsView, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import partial
 from typing import cast
 
-from core.batching import BatchLimits, Running, StepPlan
-from core.blocks import blocks_for
 from core.config import RouterConfig
-from core.fake_model import FakeDecode
 from core.protocol import (
     ArmTimer,
     Assignment,
     ClientCancel,
-    Decoded,
-    DecodeDone,
-    DecoderEvent,
     DecoderFailed,
     DeliverError,
     DeliverFinished,
@@ -83,21 +67,15 @@ from core.protocol import (
     WorkerStart,
 )
 from core.router import Router
-from core.scheduler import Scheduler
-from core.states import SeqState
 from core.worker import Worker, WorkerConfig
-from sim.clock import Clock
-from sim.kv import KvModel, pool_blocks
-from sim.oracles import Disturbances, Oracles, WorkerOracles
-from sim.streams import ClientStream, StreamOracles, diverges
-
-# How a misbehaving decoder can go wrong in one step (sim/simulator.py draws one):
-# say a token twice, skip an index, emit a token past the end, or end twice.
-MISBEHAVIOURS = ("repeat", "skip", "overrun", "end_twice")
-
-
-class InvariantViolation(AssertionError):
-    """An oracle found behaviour the contract forbids."""
+from sim.clock import Clock, Owner, Timers
+from sim.decoders import Decoders
+from sim.disturbances import Disturbances
+from sim.invariants import Invariants
+from sim.oracles import Oracles
+from sim.streams import ClientStream, StreamOracles
+from sim.trace import show, show_all
+from sim.worker_oracles import WorkerOracles
 
 
 @dataclass(slots=True)
@@ -111,29 +89,6 @@ class Packet:
     to: str | None
     message: ToWorker | FromWorker
     router: str = ""  # the router id of the link it travels on
-
-
-@dataclass(slots=True)
-class Decode:
-    """One assignment on a fake decoder: its worker's Scheduler (core/scheduler.py)
-    has it waiting for a row and blocks, prefilling or decoding."""
-
-    request: GenerationRequest
-    started_at: float
-    run: FakeDecode
-    key: int  # its name in the scheduler and its plans
-
-
-@dataclass(slots=True)
-class _Armed:
-    """One armed timer of one machine."""
-
-    deadline: float
-    arm: int  # which arming this is: a clock entry of an older arming is stale
-    rank: int  # the key's place among its owner's timers; kept when re-armed
-
-
-Owner = str  # a worker id, or "@" + a router id: whose timer it is
 
 
 class RouterNode:
@@ -164,7 +119,6 @@ class Cluster:
         slots: int = 2,
         max_context: int = 4096,
         heartbeat_interval_s: float = 0.5,
-        on_send: Callable[[Packet], None] | None = None,
         trace: Callable[[str], None] | None = None,
         clock: Clock | None = None,
         disturbances: Disturbances | None = None,
@@ -173,7 +127,9 @@ class Cluster:
         routers: int = 1,
     ) -> None:
         self.clock = clock or Clock()
-        self.on_send = on_send or self.in_flight_append
+        # Where each packet sent goes: held in `in_flight` until the driver delivers it,
+        # unless the driver brings a network of its own (the simulator: sim/network.py).
+        self.on_send: Callable[[Packet], None] = self.in_flight_append
         self.trace = trace
         # Told of every delivery to a client (router id, the delivery): a timeline.
         self.on_deliver: Callable[[str, DeliverToken | DeliverFinished | DeliverError], None]
@@ -181,8 +137,6 @@ class Cluster:
         self.disturbances = disturbances
         self.router_config = router_config or RouterConfig()
         self.shared = routers > 1  # several routers share the workers
-        self._timers: dict[Owner, dict[TimerKey, _Armed]] = {}
-        self._owner_rank: dict[Owner, int] = {}
         # Live router incarnations by router id, and every one there has been. A lone
         # router's id is "" (its assignments name no router), as in a plain deployment.
         self.nodes: dict[str, RouterNode] = {}
@@ -194,34 +148,24 @@ class Cluster:
         self.slots = slots
         self.max_context = max_context
         self.heartbeat_interval_s = heartbeat_interval_s
-        self.kv_block_size = kv_block_size
-        self.largest_request = largest_request or max_context
-        self.kv: dict[str, KvModel] = {}  # each process's paged KV cache
-        self.schedulers: dict[str, Scheduler] = {}  # each process's, over its cache
-        # Each worker id's KV pool as a share of one that never preempts (1: that pool).
-        self.pool_share: dict[str, float] = {}
-        self.preemptions = 0  # sequences preempted by recompute, every process together
-        self.recomputed_tokens = 0  # output tokens computed again after a preemption
-        self._head_wait: dict[str, tuple[int, int]] = {}  # worker -> (head key, steps)
-        self._pressure: dict[str, list[float | str]] = {}  # worker -> its latest interval
-        self._admitted: dict[str, dict[int, None]] = {}  # worker -> running keys, in order
-        self.prefill_tokens = [0, 0]  # context tokens admitted, and of them not cached
         self.workers: dict[str, Worker] = {}
-        self.decodes: dict[str, dict[Assignment, Decode]] = {}
         self.down: set[str] = set()  # crashed: events to them vanish
         self.paused: set[str] = set()  # stalled: their timers wait until they resume
-        self._arms = 0
-        self.decoder_failures = 0
-        self.misbehaviours = 0  # decoder steps that went wrong on purpose
+        self.timers = Timers(self.clock, self._timer_fired, self.paused)
         self.in_flight: list[Packet] = []
         self._packet_ids = 0
-        self._decode_keys = 0
-        self._keys: dict[int, Assignment] = {}
         self.violations: list[str] = []
-        # What ran since the last check_safety: only a machine that handled an event
-        # can have changed what the per-event checks read of it.
-        self._touched_workers: dict[str, None] = {}  # in order: the same first violation
-        self._touched_routers: dict[str, None] = {}
+        # Each worker process's fake decoder, scheduler and KV cache (sim/decoders.py).
+        self.decoders = Decoders(
+            self.clock,
+            self._run_worker,
+            self.violations.append,
+            disturbances,
+            max_context,
+            kv_block_size,
+            largest_request or max_context,
+        )
+        self.invariants = Invariants(self)  # checked after every event (sim/invariants.py)
         self.router_names = [chr(ord("a") + i) for i in range(routers)]
         for name in self.router_names:
             self.start_router(name)
@@ -251,8 +195,7 @@ class Cluster:
         node = RouterNode(self, name, router_id, self.router_config)
         self.nodes[router_id] = node
         self.all_nodes.append(node)
-        self._timers[node.owner] = {}
-        self._owner_rank.setdefault(node.owner, len(self._owner_rank))
+        self.timers.add_owner(node.owner)
         for worker_id in self.workers:
             if worker_id not in self.down:
                 self.link(worker_id, router_id)
@@ -263,7 +206,7 @@ class Cluster:
         it vanishes, and its clients' streams are cut. Returns the workers linked to it
         (each hears its link close when the caller says: `router_link_lost`)."""
         node = self.nodes.pop(router_id)
-        self._timers[node.owner] = {}
+        self.timers.clear(node.owner)
         for stream in node.streams.values():
             if stream.outcome is None:
                 stream.cut = True
@@ -338,37 +281,19 @@ class Cluster:
         )
         self.workers[worker_id] = Worker(config)
         self._processes[worker_id] += 1
-        size = self.kv_block_size
-        blocks = pool_blocks(config.slots, self.largest_request, size)
-        share = self.pool_share.get(worker_id, 1.0)
-        if share < 1.0:  # tight: preemption by recompute; one largest request always fits
-            blocks = max(blocks_for(self.largest_request, size), int(blocks * share))
-        self.kv[worker_id] = KvModel(blocks, size, self.violations.append, worker_id)
-        self._new_scheduler(worker_id)
-        self._timers[worker_id] = {}
-        self._owner_rank.setdefault(worker_id, len(self._owner_rank))
-        self.decodes[worker_id] = {}
+        self.decoders.start(worker_id, config.slots)
+        self.timers.add_owner(worker_id)
         self.down.discard(worker_id)
-        self._touched_routers.update(dict.fromkeys(self.nodes))  # its slot count is judged anew
+        touched = self.invariants.touched_routers
+        touched.update(dict.fromkeys(self.nodes))  # its slot count is judged anew
         self._run_worker(worker_id, WorkerStart())
         for router_id, epoch in epochs.items():
             self._run_worker(worker_id, RouterLinked(router_id, epoch))
         return True
 
-    def _new_scheduler(self, worker_id: str, limits: BatchLimits | None = None) -> None:
-        if limits is None:  # until the driver's own limits come with its first plan
-            slots = self.workers[worker_id].config.slots
-            limits = BatchLimits(slots, self.max_context, slots + 16, 16, 32)
-        self.schedulers[worker_id] = Scheduler(self.kv[worker_id], limits)
-        self._head_wait.pop(worker_id, None)
-        self._admitted[worker_id] = {}
-
     def fail_decoder(self, worker_id: str) -> None:
         """The worker's decoder breaks: every running assignment there fails."""
-        self.decoder_failures += 1
-        self.decodes[worker_id] = {}
-        self.kv[worker_id].release_all()
-        self._new_scheduler(worker_id, self.schedulers[worker_id].limits)
+        self.decoders.fail(worker_id)
         self._run_worker(worker_id, DecoderFailed("injected decoder failure"))
 
     def drain_worker(self, worker_id: str, handoff: bool = True) -> None:
@@ -386,15 +311,14 @@ class Cluster:
     def resume_worker(self, worker_id: str) -> None:
         """The stall ends: timers that came due meanwhile fire now, the rest when due."""
         self.paused.discard(worker_id)
-        for key, armed in list(self._timers[worker_id].items()):
-            self._arm(worker_id, key, max(armed.deadline, self.clock.now))
+        self.timers.resume(worker_id, self.clock.now)
 
     def crash_worker(self, worker_id: str) -> None:
         """The process dies: its state, timers and decodes are gone."""
         self.down.add(worker_id)
         self.paused.discard(worker_id)
-        self._timers[worker_id] = {}
-        self.decodes[worker_id] = {}
+        self.timers.clear(worker_id)
+        self.decoders.lose(worker_id)
 
     def worker_gone(self, worker_id: str, epoch: int, router_id: str | None = None) -> None:
         """The transport tells a router (the first unless named) that this epoch's
@@ -418,6 +342,16 @@ class Cluster:
         config = self.router_config
         return config.max_attempts + config.max_resumes
 
+    @property
+    def decoder_failures(self) -> int:
+        """Decoder failures injected so far (for the stream oracles)."""
+        return self.decoders.decoder_failures
+
+    @property
+    def misbehaviours(self) -> int:
+        """Decoder steps that went wrong on purpose so far (for the stream oracles)."""
+        return self.decoders.misbehaviours
+
     def submit(self, request: GenerationRequest, router_id: str | None = None) -> None:
         """A client sends the request to a router (the first live one unless named)."""
         node = self.nodes[router_id] if router_id is not None else self._first()
@@ -425,7 +359,7 @@ class Cluster:
         queued = node.router.statistics().queued
         self._run_router(node, Submit(request))
         if isinstance(stream.outcome, DeliverError) and stream.outcome.kind == "overloaded":
-            node.oracles.check_overloaded(request.request_id, queued)
+            node.oracles.attempts.check_overloaded(request.request_id, queued)
 
     def cancel(self, request_id: str, router_id: str | None = None) -> None:
         node = self.nodes[router_id] if router_id is not None else self._first()
@@ -453,176 +387,6 @@ class Cluster:
     def duplicate(self, position: int) -> None:
         packet = self.in_flight[position]
         self._send(packet.source, packet.to, packet.message, packet.router)
-
-    def decode_step(
-        self, worker_id: str, assignment: Assignment, misbehave: str | None = None
-    ) -> None:
-        """The fake decoder takes one step of one running assignment (and may misbehave)."""
-        decodes = self.decodes[worker_id]
-        decode = decodes[assignment]
-        scheduler = self.schedulers[worker_id]
-        decoding = scheduler.state(decode.key) is SeqState.DECODING
-        if decoding:
-            self._check_decode(worker_id, decode)
-        events: list[DecoderEvent] = []
-        over = decode.run.step(events)
-        if misbehave is not None:
-            self.misbehaviours += 1
-            _misbehave(events, misbehave, decode.request.max_new_tokens)
-        if decoding:
-            # The step wrote the last token's keys and values and drew the next one.
-            tokens = scheduler.tokens(decode.key)
-            self.kv[worker_id].wrote(decode.key, tokens)
-            output = decode.run.generation.output
-            prompt = len(decode.request.prompt_token_ids)
-            for token in output[len(tokens) - prompt :]:
-                scheduler.emitted(decode.key, token)
-            if tokens[prompt:] != output:
-                self.violations.append(
-                    f"{worker_id}: {assignment}'s scheduled tokens are not its output "
-                    f"({len(tokens) - prompt} against {len(output)}): a token twice or lost"
-                )
-        for event in events:
-            if over and isinstance(event, DecodeDone):
-                self._drop(worker_id, assignment)
-            self._run_worker(worker_id, event)
-
-    def plan_step(self, worker_id: str, limits: BatchLimits) -> StepPlan:
-        """What the worker's next batched step computes: its core.scheduler grows,
-        preempts, admits and plans, as the torch engine's does."""
-        scheduler = self.schedulers[worker_id]
-        scheduler.limits = limits
-        decodes = self.decodes[worker_id]
-        recomputed = scheduler.recomputed_tokens
-        schedule = scheduler.schedule()
-        self.preemptions += len(schedule.preempted)
-        self.recomputed_tokens += scheduler.recomputed_tokens - recomputed
-        order = self._admitted[worker_id]
-        for key in schedule.preempted:  # each victim the newest of those still running
-            newest = next(reversed(order), None)
-            if key != newest:
-                self.violations.append(
-                    f"{worker_id}: preempted sequence {key}, not the most recently "
-                    f"admitted one ({newest})"
-                )
-            order.pop(key, None)
-        for key, cached in schedule.admitted:
-            order[key] = None
-            context = scheduler.progress(key)[1]
-            self.prefill_tokens[0] += context
-            self.prefill_tokens[1] += context - cached
-        for key in schedule.refused:  # can never fit: the decoder fails it
-            assignment = self._keys[key]
-            decodes.pop(assignment, None)
-            self._run_worker(worker_id, DecodeDone(assignment, "failed"))
-        if schedule.preempted:
-            last = schedule.preempted[-1]  # the newest victim waits first
-            if scheduler.waiting[:1] != (last,) and last not in dict(schedule.admitted):
-                self.violations.append(
-                    f"{worker_id}: preempted {last} is not at the head of the queue "
-                    f"({scheduler.waiting[:3]})"
-                )
-        if schedule.preempted or (scheduler.waiting and scheduler.running < limits.max_seqs):
-            self._short_of_blocks(worker_id)
-        self._check_head(worker_id, scheduler)
-        plan = schedule.plan
-        self._check_plan(worker_id, list(schedule.batch), plan, limits)
-        self.kv[worker_id].check()
-        return plan
-
-    def _short_of_blocks(self, worker_id: str) -> None:
-        """The worker's pool is out: a sequence was preempted, or one waits with a row
-        free. Its accepted work is slower than a healthy worker's for as long, so this
-        is a disturbance like a slow step: an attempt the router gives up meanwhile
-        (its progress deadline passed) is explained by it, and nothing else is."""
-        if self.disturbances is None:
-            return
-        now = self.clock.now
-        last = self._pressure.get(worker_id)
-        if last is not None and float(last[1]) >= now - 0.5:
-            self.disturbances.extend(worker_id, last, now)
-        else:
-            self._pressure[worker_id] = self.disturbances.add(worker_id, "kv_pressure", now, now)
-
-    def _check_head(self, worker_id: str, scheduler: Scheduler) -> None:
-        """No sequence starves: once at the head of the queue it is admitted within as
-        many steps as every running sequence needs to finish (each computes at least
-        one token a step of at most the largest request's)."""
-        head = scheduler.waiting[:1]
-        if not head:
-            self._head_wait.pop(worker_id, None)
-            return
-        before = self._head_wait.get(worker_id)
-        steps = before[1] + 1 if before is not None and before[0] == head[0] else 0
-        self._head_wait[worker_id] = (head[0], steps)
-        bound = scheduler.limits.max_seqs * self.largest_request + 2
-        if steps > bound:
-            self.violations.append(
-                f"{worker_id}: sequence {head[0]} waited at the head of the queue for "
-                f"{steps} steps (bound {bound}): starved"
-            )
-
-    def _check_decode(self, worker_id: str, decode: Decode) -> None:
-        """A decode step writes the last token's position: every earlier one must be
-        written (by prefill or by earlier steps since its admission), and its block
-        table must cover exactly the positions so far (no block taken early, none
-        missing)."""
-        tokens = len(self.schedulers[worker_id].tokens(decode.key))
-        kv = self.kv[worker_id]
-        written, table = kv.written(decode.key), len(kv.table(decode.key))
-        if written < tokens - 1:
-            self.violations.append(
-                f"{worker_id}: sequence {decode.key} decodes position {tokens - 1} with "
-                f"positions {written}..{tokens - 2} never written since its admission"
-            )
-        if table != blocks_for(tokens, self.kv_block_size):
-            self.violations.append(
-                f"{worker_id}: sequence {decode.key} holds {table} blocks for {tokens} "
-                f"positions ({blocks_for(tokens, self.kv_block_size)} needed)"
-            )
-
-    def _check_plan(
-        self, worker_id: str, batch: list[Running], plan: StepPlan, limits: BatchLimits
-    ) -> None:
-        """core.batching's promises: every decoding entry decodes, no chunk exceeds its
-        prompt or the chunk limit, the step stays in its budget, prefill always moves."""
-        decoding = {r.key for r in batch if r.decoding}
-        budget = limits.max_step_tokens if decoding else limits.max_idle_prefill_tokens
-        left = {r.key: r.prompt_tokens - r.prefilled for r in batch if not r.decoding}
-        largest = limits.max_prefill_tokens if decoding else limits.max_idle_prefill_tokens
-        problem = None
-        if set(plan.decode) != decoding:
-            problem = f"decodes {sorted(plan.decode)}, decoding {sorted(decoding)}"
-        elif len(batch) > limits.max_seqs:
-            problem = f"{len(batch)} admitted, {limits.max_seqs} slots"
-        elif any(not 0 < n <= min(left.get(k, 0), largest) for k, n in plan.prefill):
-            problem = f"prefill chunks {plan.prefill} for {left}"
-        elif plan.tokens > budget:
-            problem = f"{plan.tokens} tokens in a step of {budget}"
-        elif left and not plan.prefill:
-            problem = f"nothing prefilled while {left} wait"
-        if problem is not None:
-            self.violations.append(f"{worker_id} batch plan broke its limits: {problem}")
-
-    def run_step(
-        self, worker_id: str, plan: StepPlan, misbehave: Callable[[], str | None] | None = None
-    ) -> None:
-        """Carry out a planned step: prefill chunks land, each decoding entry emits a token.
-        Entries stopped while the step ran are skipped."""
-        decodes = self.decodes[worker_id]
-        scheduler = self.schedulers[worker_id]
-        for key, tokens in plan.prefill:
-            if self._keys[key] in decodes and scheduler.state(key) is SeqState.PREFILLING:
-                scheduler.prefilled(key, tokens)
-                prefilled, _ = scheduler.progress(key)
-                self.kv[worker_id].wrote(key, scheduler.tokens(key)[:prefilled])
-        for key in plan.decode:
-            assignment = self._keys[key]
-            if assignment in self.decodes[worker_id]:
-                self.decode_step(worker_id, assignment, misbehave() if misbehave else None)
-
-    def running_decodes(self) -> list[tuple[str, Assignment]]:
-        return [(w, a) for w, decodes in self.decodes.items() for a in decodes]
 
     @property
     def now(self) -> float:
@@ -663,13 +427,6 @@ class Cluster:
         """router id -> epoch, for each router the worker process is linked to."""
         return self.workers[worker_id].links()
 
-    def decoders(self) -> ItemsView[str, dict[Assignment, Decode]]:
-        """(worker id, its running decodes) for every worker, in worker order (read only)."""
-        return self.decodes.items()
-
-    def decodes_on(self, worker_id: str) -> Mapping[Assignment, Decode]:
-        return self.decodes[worker_id]
-
     def has_outcome(self, request_id: str, router_id: str | None = None) -> bool:
         node = self.nodes.get(router_id) if router_id is not None else self._first()
         return node is None or node.streams[request_id].outcome is not None
@@ -684,67 +441,11 @@ class Cluster:
     def open_requests(self) -> list[GenerationRequest]:
         return [s.request for s in self.streams() if s.outcome is None and not s.cut]
 
-    def settled(self) -> bool:
-        """Every request has its outcome and every slot is back, as all machines see it."""
-        if any(self.decodes.values()) or next(self._open_streams(), None) is not None:
-            return False
-        if any(w.free_slots != w.config.slots for w in self.workers.values()):
-            return False
-        if self._stale_views():
-            return False
-        return not any(
-            held for node in self.nodes.values() for _, held, _ in node.router.slot_usage()
-        )
-
-    def unsettled_reasons(self) -> list[str]:
-        parts = []
-        if self.unfinished():
-            parts.append(f"requests without an outcome {self.unfinished()[:5]}")
-        busy = [w for w, worker in self.workers.items() if worker.free_slots != worker.config.slots]
-        if busy:
-            parts.append(f"workers with slots still taken {busy}")
-        for node in self.nodes.values():
-            held = [v.worker_id for v in node.router.statistics().workers if v.held]
-            if held:
-                parts.append(f"router {node.router_id!r} still counts slots on {held}")
-        if stale := self._stale_views():
-            parts.append(f"a router's view of workers is stale: {stale}")
-        return parts
-
-    def _stale_views(self) -> list[str]:
-        """Workers a live router does not see as healthy at the epoch the worker serves
-        it under (or at all, though the worker runs)."""
-        stale = []
-        for router_id, node in self.nodes.items():
-            actual = {w: worker.links().get(router_id) for w, worker in self.workers.items()}
-            seen = set()
-            for view in node.router.statistics().workers:
-                seen.add(view.worker_id)
-                if view.worker_id in actual and (
-                    not view.healthy or view.epoch != actual[view.worker_id]
-                ):
-                    stale.append(
-                        f"{view.worker_id} (router {router_id!r}: epoch {view.epoch}, "
-                        f"healthy {view.healthy}; worker: epoch {actual[view.worker_id]})"
-                    )
-            stale += [f"{w} unknown to router {router_id!r}" for w in actual if w not in seen]
-        return stale
-
-    def outcomes(self) -> Counter[str]:
-        counts: Counter[str] = Counter()
-        for stream in self.streams():
-            match stream.outcome:
-                case DeliverFinished(reason=reason) | DeliverError(kind=reason):
-                    counts[reason] += 1
-                case None if stream.cut:
-                    counts["cut"] += 1
-        return counts
-
     def attempts_lost(self) -> int:
-        return sum(node.oracles.attempts_lost for node in self.all_nodes)
+        return sum(node.oracles.attempts.attempts_lost for node in self.all_nodes)
 
     def full_declines(self) -> int:
-        return sum(node.oracles.full_declines for node in self.all_nodes)
+        return sum(node.oracles.attempts.full_declines for node in self.all_nodes)
 
     def resends(self) -> int:
         return sum(node.router.statistics().resends_requested for node in self.all_nodes)
@@ -772,84 +473,14 @@ class Cluster:
                 fenced[f"worker.{reason}"] += n
         return fenced
 
-    def error_causes(self) -> Counter[str]:
-        """Error outcomes by kind and cause (the message without its particulars)."""
-        counts: Counter[str] = Counter()
-        for stream in self.streams():
-            if isinstance(stream.outcome, DeliverError):
-                started = "after tokens" if stream.tokens else "before tokens"
-                counts[f"{stream.outcome.kind} {started}: {_cause(stream.outcome.message)}"] += 1
-        return counts
-
     def tokens_delivered(self) -> int:
         return sum(len(s.tokens) for s in self.streams())
 
-    # --- oracles ---
-
-    def check_safety(self) -> None:
-        """Raise InvariantViolation if any client saw something the contract forbids, or
-        an oracle of sim/oracles.py found a fault it cannot explain. The per-machine
-        checks read only the workers and routers that handled an event since the last
-        call: nothing else changes what they read."""
-        if self.violations:
-            raise InvariantViolation(self.violations[0])
-        if self.streams_oracle.violations:
-            raise InvariantViolation(self.streams_oracle.violations[0])
-        for node in self.all_nodes:
-            if node.oracles.violations:
-                raise InvariantViolation(node.oracles.violations[0])
-        if self.worker_oracles.violations:
-            raise InvariantViolation(self.worker_oracles.violations[0])
-        touched, self._touched_workers = self._touched_workers, {}
-        for worker_id in touched:
-            if worker_id in self.down:
-                continue
-            worker = self.workers[worker_id]
-            holds = worker.holds()
-            if len(holds) > worker.config.slots:
-                raise InvariantViolation(f"{worker_id} over-committed its slots")
-            linked = worker.links()
-            if any(a.router not in linked for a in holds):
-                # A lost link's work ends with it: nobody can receive its tokens.
-                foreign = [a for a in holds if a.router not in linked]
-                raise InvariantViolation(f"{worker_id} holds {foreign} of routers it lost")
-            decodes = self.decodes[worker_id]
-            if decodes and not decodes.keys() <= holds:
-                # Cancelled or ended work must stop at once, not burn a slot's compute.
-                raise InvariantViolation(f"{worker_id} decodes assignments it no longer holds")
-        routers, self._touched_routers = self._touched_routers, {}
-        for router_id in routers:
-            router = self.nodes.get(router_id)
-            if router is None:
-                continue  # crashed since
-            for worker_id, held, _ in router.router.slot_usage():
-                # Against the worker's own slot count: a draining worker reports none free.
-                if held > self.workers[worker_id].config.slots:
-                    raise InvariantViolation(f"router {router_id!r} over-committed {worker_id}")
-
-    def check_end(self, fault_kinds: set[str]) -> None:
-        """The checks of a finished run: fence counters the faults cannot explain, and
-        every live process's scheduler empty with every block back (free or cached),
-        whatever was preempted, cancelled, superseded or cut off on the way."""
-        self.oracles.check_fences(self.fenced(), fault_kinds)
-        for worker_id, kv in self.kv.items():
-            if worker_id in self.down:
-                continue
-            kv.check()
-            if kv.manager.holders() or self.schedulers[worker_id].has_work():
-                self.violations.append(
-                    f"{worker_id}: the run settled with {kv.manager.holders()} sequences "
-                    f"holding blocks, scheduler waiting {self.schedulers[worker_id].waiting}"
-                )
-        self._touched_workers.update(dict.fromkeys(self.workers))
-        self._touched_routers.update(dict.fromkeys(self.nodes))
-        self.check_safety()
-
     def unfinished(self) -> list[str]:
         """Requests of live routers still without an outcome (router id: request id)."""
-        return [f"{router}:{rid}" if router else rid for router, rid in self._open_streams()]
+        return [f"{router}:{rid}" if router else rid for router, rid in self.open_streams()]
 
-    def _open_streams(self) -> Iterator[tuple[str, str]]:
+    def open_streams(self) -> Iterator[tuple[str, str]]:
         """(router id, request id) of each live router's request without an outcome."""
         for node in self.nodes.values():
             for rid, stream in node.streams.items():
@@ -870,11 +501,11 @@ class Cluster:
 
     def _run_router(self, node: RouterNode, event: RouterEvent) -> list[RouterEffect]:
         before = node.oracles.before_router(event)
-        self._touched_routers[node.router_id] = None
+        self.invariants.touched_routers[node.router_id] = None
         effects = node.router.handle(event, self.clock.now)
         if self.trace is not None:
             who = f"router{node.router_id}"
-            self.trace(f"{self.now:9.4f} {who:7} {_show(event)} -> {_show_all(effects)}")
+            self.trace(f"{self.now:9.4f} {who:7} {show(event)} -> {show_all(effects)}")
         for effect in effects:
             self._apply_router_effect(node, effect)
         node.oracles.after_router(event, effects, before, self.clock.now)
@@ -885,28 +516,22 @@ class Cluster:
             case SendToWorker(worker_id, message):
                 self._send("router", worker_id, message, node.router_id)
             case ArmTimer(key, deadline):
-                self._arm(node.owner, key, deadline)
+                self.timers.arm(node.owner, key, deadline)
             case DisarmTimer(key):
-                self._timers[node.owner].pop(key, None)
+                self.timers.disarm(node.owner, key)
             case DeliverToken() | DeliverFinished() | DeliverError():
                 self.streams_oracle.delivered(node.streams.get(effect.request_id), effect)
                 self.on_deliver(node.router_id, effect)
 
-    def _drop(self, worker_id: str, assignment: Assignment) -> None:
-        decode = self.decodes[worker_id].pop(assignment, None)
-        if decode is not None:
-            self.schedulers[worker_id].remove(decode.key)
-            self._admitted[worker_id].pop(decode.key, None)
-
     def _run_worker(self, worker_id: str, event: WorkerEvent) -> None:
         if worker_id in self.down:
             return
-        self._touched_workers[worker_id] = None
+        self.invariants.touched_workers[worker_id] = None
         if isinstance(event, TimerFired | WorkerStart):  # a heartbeat may go out
-            self.workers[worker_id].cache = self.kv[worker_id].report()
+            self.workers[worker_id].cache = self.decoders.kv[worker_id].report()
         effects = self.workers[worker_id].handle(event, self.clock.now)
         if self.trace is not None:
-            self.trace(f"{self.now:9.4f} {worker_id:7} {_show(event)} -> {_show_all(effects)}")
+            self.trace(f"{self.now:9.4f} {worker_id:7} {show(event)} -> {show_all(effects)}")
         for effect in effects:
             self._apply_worker_effect(worker_id, effect)
         self.worker_oracles.after_worker(worker_id, event, effects)
@@ -916,106 +541,17 @@ class Cluster:
             case SendToRouter(message, router_id):
                 self._send(worker_id, None, message, router_id)
             case StartDecode(assignment, request):
-                self._drop(worker_id, assignment)  # a start again replaces the old run
-                salt = assignment.attempt if diverges(request) else 0
-                run = FakeDecode(assignment, request, salt)
-                self._decode_keys += 1
-                key = self._decode_keys
-                self._keys[key] = assignment
-                context = request.prompt_token_ids + request.output_prefix
-                decode = Decode(request, self.clock.now, run, key)
-                self.decodes[worker_id][assignment] = decode
-                self.schedulers[worker_id].add(key, context, request.context_tokens)
+                self.decoders.start_decode(worker_id, assignment, request)
             case StopDecode(assignment):
-                self._drop(worker_id, assignment)
+                self.decoders.drop(worker_id, assignment)
             case ArmTimer(key, deadline):
-                self._arm(worker_id, key, deadline)
+                self.timers.arm(worker_id, key, deadline)
             case DisarmTimer(key):
-                self._timers[worker_id].pop(key, None)
+                self.timers.disarm(worker_id, key)
 
-    # --- timers, on the shared clock ---
-
-    def _arm(self, owner: Owner, key: TimerKey, deadline: float) -> None:
-        """(Re-)arm a machine's timer; an entry for an earlier arming goes stale."""
-        timers = self._timers[owner]
-        current = timers.get(key)
-        self._arms += 1
-        rank = current.rank if current is not None else self._arms
-        timers[key] = _Armed(deadline, self._arms, rank)
-        self.clock.schedule_timer(
-            deadline,
-            (self._owner_rank[owner], rank),
-            partial(self._timer_live, owner, key, self._arms),
-            partial(self._fire, owner, key),
-        )
-
-    def _timer_live(self, owner: Owner, key: TimerKey, arm: int) -> bool:
-        if owner in self.paused:
-            return False  # armed again when it resumes
-        armed = self._timers[owner].get(key)
-        return armed is not None and armed.arm == arm
-
-    def _fire(self, owner: Owner, key: TimerKey) -> None:
-        del self._timers[owner][key]
+    def _timer_fired(self, owner: Owner, key: TimerKey) -> None:
+        """A machine's timer fired (sim/clock.py Timers): its machine handles it."""
         if owner.startswith("@"):
             self._run_router(self.nodes[owner[1:]], TimerFired(key))
         else:
             self._run_worker(owner, TimerFired(key))
-
-
-def _show(item: object) -> str:
-    """A compact, stable rendering of an event or effect for traces."""
-    text = repr(item)
-    for long, short in _ABBREVIATIONS:
-        text = text.replace(long, short)
-    return text
-
-
-def _show_all(effects: list[RouterEffect] | list[WorkerEffect]) -> str:
-    return "[" + ", ".join(_show(e) for e in effects) + "]"
-
-
-_ABBREVIATIONS = (
-    ("Assignment(request_id=", "A("),
-    ("FromWorkerMessage(worker_id=", "From("),
-    ("FromRouterMessage(message=", "From("),
-    ("SendToWorker(worker_id=", "Send("),
-    ("SendToRouter(message=", "Send("),
-    (", router_id='')", ")"),
-    (", router='')", ")"),
-    ("GenerationRequest(request_id=", "Req("),
-    ("sampling=Sampling(temperature=0.0, top_p=1.0, seed=", "seed=("),
-    (", stop_token_ids=()", ""),
-    (", logprobs=None, constraint=None", ""),
-    ("prompt_token_ids=", "prompt="),
-    ("max_new_tokens=", "max_new="),
-    ("assignment=", ""),
-    ("attempt=", ""),
-    ("request=", ""),
-    ("message=", ""),
-)
-
-
-def _cause(message: str) -> str:
-    """An error message with its particulars (ids, counts) taken out, to count by."""
-    return " ".join(w for w in message.split() if not any(c.isdigit() for c in w))
-
-
-def _misbehave(events: list[DecoderEvent], how: str, max_new_tokens: int) -> None:
-    """Turn one step's correct decoder events into a misbehaving decoder's."""
-    first = events[0] if events else None
-    last = events[-1] if events else None
-    match how:
-        case "repeat" if isinstance(first, Decoded):
-            events.insert(1, first)
-        case "skip" if isinstance(first, Decoded):
-            events[0] = Decoded(first.assignment, first.index + 1, first.token_id, first.logprob)
-        case "overrun" if isinstance(last, DecodeDone):
-            # A token past the end: at the budget's index if the budget ended it.
-            end = max_new_tokens if last.reason == "length" else None
-            if end is not None:
-                events.insert(len(events) - 1, Decoded(last.assignment, end, 1))
-            else:
-                events.append(Decoded(last.assignment, max_new_tokens + 1, 1))
-        case "end_twice" if isinstance(last, DecodeDone):
-            events.append(last)

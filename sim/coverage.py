@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from core.states import TABLES
+from sim.scenario import STANDARD
 
 _RETIRED = (
     "handing out a new epoch retires all the id's older ones at once (core/fleet.py register), "
@@ -72,7 +73,7 @@ RARE: dict[tuple[str, str, str], tuple[int, str]] = {
 
 def seeds_taking(move: tuple[str, str, str], seeds: range) -> list[int]:
     """The seeds of the standard mix among `seeds` whose run takes this move."""
-    from sim.simulator import STANDARD, Simulation  # the simulator imports nothing of this
+    from sim.simulator import Simulation  # the simulator imports nothing of this
 
     found = []
     table, state, event = move

@@ -187,6 +187,6 @@ def pool_blocks(slots: int, largest_request: int, block_size: int) -> int:
     """A pool where `slots` of the largest request always fit at once (so nothing is
     ever preempted and the router's slot count stays the only limit) and half of one
     more is left for cached blocks, so that eviction comes often. Half the seeds give
-    a worker a share of this instead (Cluster.pool_share): then it preempts."""
+    a worker a share of this instead (Decoders.pool_share, sim/decoders.py): then it preempts."""
     per_request = blocks_for(largest_request, block_size)
     return slots * per_request + per_request // 2

@@ -10,11 +10,16 @@ whichever attempt drew the token: a record is the model's, not the draw's); a
 finish must match a reference output and count every token; an error must be
 one the contract allows at that point. It only reads the
 cluster, through StreamView (the few figures that bound what is allowed), and
-keeps its own list of violations, which the cluster's check_safety raises.
+keeps its own list of violations, which the cluster's invariants
+(sim/invariants.py `check_safety`) raise.
+`outcomes` and `error_causes` count what the clients were left with, for a
+run's summary.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -164,3 +169,31 @@ class StreamOracles:
                     self.cluster.decoder_failures > 0 or self.cluster.misbehaviours > 0
                 )
         return False
+
+
+def outcomes(streams: Iterable[ClientStream]) -> Counter[str]:
+    """How the clients' requests ended: by finish reason or error kind, or "cut" (its
+    router died first)."""
+    counts: Counter[str] = Counter()
+    for stream in streams:
+        match stream.outcome:
+            case DeliverFinished(reason=reason) | DeliverError(kind=reason):
+                counts[reason] += 1
+            case None if stream.cut:
+                counts["cut"] += 1
+    return counts
+
+
+def error_causes(streams: Iterable[ClientStream]) -> Counter[str]:
+    """Error outcomes by kind and cause (the message without its particulars)."""
+    counts: Counter[str] = Counter()
+    for stream in streams:
+        if isinstance(stream.outcome, DeliverError):
+            started = "after tokens" if stream.tokens else "before tokens"
+            counts[f"{stream.outcome.kind} {started}: {_cause(stream.outcome.message)}"] += 1
+    return counts
+
+
+def _cause(message: str) -> str:
+    """An error message with its particulars (ids, counts) taken out, to count by."""
+    return " ".join(w for w in message.split() if not any(c.isdigit() for c in w))

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from sim.coverage import Coverage
-from sim.simulator import STANDARD, Scenario, SimResult, Simulation
+from sim.scenario import STANDARD, Scenario
+from sim.simulator import SimResult, Simulation
 
 
 @dataclass

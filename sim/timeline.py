@@ -23,6 +23,11 @@ from typing import Any
 ROUND = 4  # decimals of a second kept: a tenth of a millisecond
 
 
+def request_key(router_id: str, request_id: str) -> str:
+    """A request's name across routers (their ids collide): "r3", or "a1:r3"."""
+    return f"{router_id}:{request_id}" if router_id else request_id
+
+
 @dataclass(slots=True)
 class _Flight:
     """One copy of one message on its way (a duplicate or a replay is another)."""

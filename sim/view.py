@@ -1,11 +1,12 @@
 """What the oracles may read of a running cluster: a read-only view, as Protocols.
 
-sim/cluster.py runs the machines and calls the oracles (sim/oracles.py,
-sim/streams.py) as it goes; the oracles only read. They name the cluster and a
-router node by these Protocols rather than by the classes, so sim/oracles.py
-imports nothing of sim/cluster.py (no import circle) and its reach into the
-cluster is this list. The machines it hands out (a Router, a Worker) are read
-through their own query methods; no oracle calls a handler.
+sim/cluster.py runs the machines and calls the oracles (sim/oracles.py with
+sim/attempts.py and sim/fleet_oracles.py, sim/worker_oracles.py, sim/streams.py)
+as it goes; the oracles only read. They name the cluster and a router node by
+these Protocols rather than by the classes, so no oracle imports sim/cluster.py
+(no import circle) and their reach into the cluster is this list. The machines
+it hands out (a Router, a Worker) are read through their own query methods; no
+oracle calls a handler.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from core.worker import Worker
 from sim.streams import ClientStream
 
 if TYPE_CHECKING:
-    from sim.oracles import Recovered
+    from sim.worker_oracles import Recovered
 
 
 class WorkerSideView(Protocol):

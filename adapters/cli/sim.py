@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 from adapters.cli import natural, positive
 
 if TYPE_CHECKING:
-    from sim.simulator import Scenario, SimResult, Simulation
+    from sim.scenario import Scenario
+    from sim.simulator import SimResult, Simulation
     from sim.sweep import SweepSummary
 
 
@@ -59,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.simulator import STANDARD, Scenario
+    from sim.scenario import STANDARD, Scenario
 
     scenario = STANDARD  # the default shape with long runs and shared-workers runs mixed in
     if args.workers or args.requests or args.routers:  # a shape of its own: no mix
@@ -100,7 +101,7 @@ def run_one(seed: int, scenario: Scenario, trace: bool, html: Path | None = None
 def run_sweep(
     start: int, count: int, scenario: Scenario, determinism_every: int, coverage: bool = False
 ) -> int:
-    from sim.simulator import LONG_RUN
+    from sim.scenario import LONG_RUN
     from sim.sweep import SweepSummary, sweep
 
     print(f"root seeds {start}..{start + count - 1} ({count} runs)")

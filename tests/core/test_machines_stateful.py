@@ -323,9 +323,9 @@ class ClusterOnFaultyLink(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def decode(self, data: st.DataObject) -> None:
-        running = self.cluster.running_decodes()
+        running = self.cluster.decoders.running()
         if running:
-            self.cluster.decode_step(*data.draw(st.sampled_from(running)))
+            self.cluster.decoders.step(*data.draw(st.sampled_from(running)))
 
     @rule(dt=st.sampled_from([0.2, 0.6, 1.6]))
     def advance(self, dt: float) -> None:
@@ -340,7 +340,7 @@ class ClusterOnFaultyLink(RuleBasedStateMachine):
 
     @invariant()
     def safe(self) -> None:
-        self.cluster.check_safety()
+        self.cluster.invariants.check_safety()
 
     def teardown(self) -> None:
         """Liveness: with faults over, every request ends and every slot comes back."""
@@ -348,8 +348,8 @@ class ClusterOnFaultyLink(RuleBasedStateMachine):
         for _ in range(20_000):
             if cluster.in_flight:
                 cluster.deliver(0)
-            elif cluster.running_decodes():
-                cluster.decode_step(*cluster.running_decodes()[0])
+            elif cluster.decoders.running():
+                cluster.decoders.step(*cluster.decoders.running()[0])
             elif cluster.crashed():
                 for worker in cluster.crashed():
                     cluster.restart_worker(worker)
@@ -358,7 +358,7 @@ class ClusterOnFaultyLink(RuleBasedStateMachine):
                 cluster.advance(cluster.now + 0.25)
             else:
                 break
-            cluster.check_safety()
+            cluster.invariants.check_safety()
         assert cluster.unfinished() == [], "requests never reached a terminal outcome"
         assert all(v.held == 0 for v in cluster.router.statistics().workers)
         assert all(w.free_slots == SLOTS for w in cluster.workers.values())

@@ -21,8 +21,8 @@ from core.protocol import (
     WorkerStart,
 )
 from sim.cluster import Cluster, Packet
-from sim.oracles import FENCE_CAUSES, Disturbances
-from sim.simulator import FAULT_KINDS
+from sim.disturbances import FENCE_CAUSES, Disturbances
+from sim.scenario import FAULT_KINDS
 
 
 def test_a_disturbance_explains_losses_during_it_and_for_a_grace_period_after() -> None:
@@ -100,8 +100,8 @@ def _streaming(cluster: Cluster, tokens: int) -> list[Packet]:
                 taken.append(packet)
             else:
                 cluster.deliver_packet(packet)
-        elif len(taken) < tokens and cluster.running_decodes():
-            cluster.decode_step(*cluster.running_decodes()[0])
+        elif len(taken) < tokens and cluster.decoders.running():
+            cluster.decoders.step(*cluster.decoders.running()[0])
         else:
             break
     assert len(taken) == tokens

@@ -11,7 +11,8 @@ from adapters.cli.mutants import MUTANTS, Mutant, run_mutant
 from core.requests import Requests
 from core.worker import WorkerConfig
 from sim.coverage import RARE, UNREACHABLE, seeds_taking
-from sim.simulator import FAULT_KINDS, STANDARD, Scenario, Simulation, run_seed
+from sim.scenario import FAULT_KINDS, STANDARD, Scenario
+from sim.simulator import Simulation, run_seed
 from sim.sweep import SweepSummary, check_determinism, sweep
 
 DEFAULT_SWEEP_SEEDS = 500

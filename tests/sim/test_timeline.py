@@ -21,7 +21,8 @@ import pytest
 
 from adapters.cli import timeline as page
 from adapters.cli.mutants import MUTANTS, _patched_tree
-from sim.simulator import STANDARD, Simulation
+from sim.scenario import STANDARD
+from sim.simulator import Simulation
 from sim.timeline import Timeline
 from tests.support.browser import INSTALL_HINT, chromium, find_chromium
 
