@@ -42,7 +42,8 @@ from pathlib import Path
 
 import torch
 
-from adapters.engine.model import LoadedModel, cache_root, model_key
+from adapters.engine.files import cache_root
+from adapters.engine.model import LoadedModel, model_key
 from adapters.engine.spec import ModelSpec
 from adapters.engine.weights import FORMATS, activation_dtype, projection
 

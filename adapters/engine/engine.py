@@ -67,8 +67,9 @@ import torch
 from llguidance import LLMatcher
 
 from adapters.engine.choose import choose
+from adapters.engine.console import say
 from adapters.engine.grammar import GrammarError, Grammars, Penalty, tokenizer_for
-from adapters.engine.model import LoadedModel, say
+from adapters.engine.model import LoadedModel
 from adapters.engine.paged_attention import ATTENTIONS, choose_attention, make_attention
 from adapters.engine.runner import DEFAULT_BLOCK_SIZE, Chunk, Runner
 from adapters.engine.sampling import TokenDraw, sample, sample_whole

@@ -225,7 +225,7 @@ def _compiler() -> str:
 def build(isa: str) -> Path:
     """The compiled library for `isa`, from the cache or compiled now (whatever this CPU
     has: an image build compiles every variant for the nodes it will run on)."""
-    from adapters.engine.model import cache_root
+    from adapters.engine.files import cache_root
 
     compiler = _compiler()
     _, machine_flags, define = ISAS[isa]

@@ -367,8 +367,8 @@ def serving_engine(
         says why torch's formats leave one free)."""
     import torch
 
+    from adapters.engine.console import say
     from adapters.engine.engine import Engine
-    from adapters.engine.model import say
     from core.batching import BatchLimits
 
     device = loaded.device.type
