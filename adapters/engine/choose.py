@@ -59,7 +59,7 @@ class Choice:
 
 def cpu_flags() -> list[str]:
     """The CPU features that matter to these kernels, as the kernel reports them."""
-    from adapters.engine.native import cpu_flags as every_flag
+    from adapters.engine.native_build import cpu_flags as every_flag
 
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
     present = every_flag()
@@ -68,7 +68,8 @@ def cpu_flags() -> list[str]:
 
 def native_status(spec: ModelSpec | None = None) -> str:
     """One line for the log: which native kernels were built here, or why none."""
-    from adapters.engine.native import NativeUnavailable, load, model_problem
+    from adapters.engine.native import model_problem
+    from adapters.engine.native_build import NativeUnavailable, load
 
     try:
         library = load()
@@ -147,11 +148,12 @@ def _step_s(loaded: LoadedModel, fmt: str, rows: int, repeats: int, layers: int 
 def code_key(*parts: str) -> str:
     """A short hash of the code that makes the weight formats (the quantisers, the
     packing of GGUF blocks, the native kernel's source, the loader) and of `parts`."""
-    from adapters.engine import ggml_blocks, native, runner, weights
+    from adapters.engine import ggml_blocks, native, native_build, runner, weights
 
     digest = hashlib.sha256()
-    code = (weights.__file__, native.__file__, ggml_blocks.__file__, runner.__file__)
-    for path in (*map(Path, code), native.SOURCE):
+    code = (weights.__file__, native.__file__, native_build.__file__, ggml_blocks.__file__,
+            runner.__file__)  # fmt: skip
+    for path in (*map(Path, code), native_build.SOURCE):
         digest.update(path.read_bytes())
     for part in parts:
         digest.update(part.encode())
@@ -160,7 +162,7 @@ def code_key(*parts: str) -> str:
 
 def choice_cache(loaded: LoadedModel, rows: int) -> Path:
     """Where the decision for this model, machine, thread count and code is kept."""
-    from adapters.engine.native import cpu_flags as every_flag
+    from adapters.engine.native_build import cpu_flags as every_flag
 
     machine = " ".join(sorted(every_flag()))
     trials = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()  # how it measures

@@ -827,7 +827,7 @@ class _Shipped:
     WIDER = ("Q5_0", "Q5_1", "Q8_1")  # more than 4 bits: requantised to 8
 
     def __init__(self, checkpoint: Any) -> None:
-        from adapters.engine.native import load
+        from adapters.engine.native_build import load
 
         self.checkpoint = checkpoint
         self.library = load()
