@@ -63,7 +63,7 @@ TYPICAL = TYPICAL_SCHEMA  # the schema `fencepost bench engine --constrained` us
 def tokenizer() -> Any:
     from transformers import AutoTokenizer
 
-    from adapters.engine.model import cache_root
+    from adapters.engine.files import cache_root
 
     directory = sorted((cache_root() / "models").glob("SmolLM2-135M-Instruct*"))[-1]
     return AutoTokenizer.from_pretrained(directory)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from adapters.engine.engine import Engine
+from adapters.engine.layers.attention import attend_chunk, read
 from adapters.engine.model import LoadedModel, chat_token_ids, load_model
 from adapters.engine.quality import text_tokens
 from adapters.engine.runner import Chunk, Runner
@@ -121,6 +122,7 @@ def attention_choices(runner: Runner, count: int, chunk: int, cached: int) -> st
     tables = [list(range(i * width, (i + 1) * width)) for i in range(count)]
     q = torch.randn(count * chunk, heads, dim)
     k_cache, v_cache = runner.k_cache[0], runner.v_cache[0]
+    buffers = [torch.empty(0), torch.empty(0)]  # the gathers' own, reused as the runner's are
     spans = []
     for table in tables:
         pages = runner.pages([table], cached + chunk)
@@ -130,7 +132,8 @@ def attention_choices(runner: Runner, count: int, chunk: int, cached: int) -> st
 
     def loop() -> None:
         for i, (pages, mask) in enumerate(spans):
-            runner._attend_chunk(q[i * chunk : (i + 1) * chunk], k_cache, v_cache, pages, mask)
+            queries = q[i * chunk : (i + 1) * chunk]
+            attend_chunk(queries, k_cache, v_cache, pages, mask, None, size, buffers)
 
     every = runner.pages(tables, cached + chunk)  # one gather of every chunk's blocks
     length = every.length
@@ -142,8 +145,8 @@ def attention_choices(runner: Runner, count: int, chunk: int, cached: int) -> st
     mask = allowed[None, None]
 
     def masked() -> None:
-        keys = runner._read(k_cache, every, 0).reshape(1, kv, count * length, dim)
-        values = runner._read(v_cache, every, 1).reshape(1, kv, count * length, dim)
+        keys = read(k_cache, every, size, buffers, 0).reshape(1, kv, count * length, dim)
+        values = read(v_cache, every, size, buffers, 1).reshape(1, kv, count * length, dim)
         F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=True, scale=1.0
         )

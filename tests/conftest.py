@@ -22,9 +22,9 @@ if _WORKERS > 1:
 
 
 def native_library(isa: str) -> Any:
-    """The native kernels built for `isa` (adapters/engine/native.py), or the test is
+    """The native kernels built for `isa` (adapters/engine/native_build.py), or the test is
     skipped where this CPU or machine cannot build or run them."""
-    from adapters.engine.native import NativeUnavailable, load
+    from adapters.engine.native_build import NativeUnavailable, load
 
     try:
         return load(isa)
@@ -33,7 +33,7 @@ def native_library(isa: str) -> Any:
 
 
 def _isas() -> list[str]:
-    from adapters.engine.native import ISAS  # after TRITON_INTERPRET is set, above
+    from adapters.engine.native_build import ISAS  # after TRITON_INTERPRET is set, above
 
     return list(ISAS)
 

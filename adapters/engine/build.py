@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from adapters.engine.choose import choose
+from adapters.engine.console import say
 from adapters.engine.engine import Engine
-from adapters.engine.model import LoadedModel, load_model, say
+from adapters.engine.model import LoadedModel, load_model
 from adapters.engine.options import (
     EngineOptions,
     default_threads,

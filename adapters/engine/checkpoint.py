@@ -1,7 +1,7 @@
 """A model's tensors, read one at a time by name: safetensors, PyTorch files, GGUF.
 
-The runner asks for each tensor under its Hugging Face name, converts it to its
-own layout and format, and lets the source go before asking for the next, so
+The loader (loader.py) asks for each tensor under its Hugging Face name, converts it
+to the engine's layout and format, and lets the source go before asking for the next, so
 no second copy of the model is ever alive: transformers gives the config, the
 tokenizer and the chat template, and never builds the model.
 

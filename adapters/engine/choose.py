@@ -5,7 +5,7 @@ had AVX2 only), so nothing is assumed. At start:
 
 1. capability: the CPU's flags and torch's kernel level are read (for the
    log), the native kernels are compiled for the widest instruction set the CPU
-   has (adapters/engine/native.py: AVX-512 VNNI or AVX2; logged, or why not),
+   has (adapters/engine/native_build.py: AVX-512 VNNI or AVX2; logged, or why not),
    and each format's kernel is run once on a small matrix and checked against
    fp32; a format whose kernel is missing or wrong is not a candidate;
 2. quality: each candidate's perplexity against fp32's on the gate text
@@ -42,7 +42,9 @@ from pathlib import Path
 
 import torch
 
-from adapters.engine.model import LoadedModel, cache_root, model_key
+from adapters.engine.code_key import code_key
+from adapters.engine.files import cache_root
+from adapters.engine.model import LoadedModel, model_key
 from adapters.engine.spec import ModelSpec
 from adapters.engine.weights import FORMATS, activation_dtype, projection
 
@@ -58,7 +60,7 @@ class Choice:
 
 def cpu_flags() -> list[str]:
     """The CPU features that matter to these kernels, as the kernel reports them."""
-    from adapters.engine.native import cpu_flags as every_flag
+    from adapters.engine.native_build import cpu_flags as every_flag
 
     wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
     present = every_flag()
@@ -67,7 +69,8 @@ def cpu_flags() -> list[str]:
 
 def native_status(spec: ModelSpec | None = None) -> str:
     """One line for the log: which native kernels were built here, or why none."""
-    from adapters.engine.native import NativeUnavailable, load, model_problem
+    from adapters.engine.native import model_problem
+    from adapters.engine.native_build import NativeUnavailable, load
 
     try:
         library = load()
@@ -143,23 +146,9 @@ def _step_s(loaded: LoadedModel, fmt: str, rows: int, repeats: int, layers: int 
     return best
 
 
-def code_key(*parts: str) -> str:
-    """A short hash of the code that makes the weight formats (the quantisers, the
-    packing of GGUF blocks, the native kernel's source, the loader) and of `parts`."""
-    from adapters.engine import ggml_blocks, native, runner, weights
-
-    digest = hashlib.sha256()
-    code = (weights.__file__, native.__file__, ggml_blocks.__file__, runner.__file__)
-    for path in (*map(Path, code), native.SOURCE):
-        digest.update(path.read_bytes())
-    for part in parts:
-        digest.update(part.encode())
-    return digest.hexdigest()[:16]
-
-
 def choice_cache(loaded: LoadedModel, rows: int) -> Path:
     """Where the decision for this model, machine, thread count and code is kept."""
-    from adapters.engine.native import cpu_flags as every_flag
+    from adapters.engine.native_build import cpu_flags as every_flag
 
     machine = " ".join(sorted(every_flag()))
     trials = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()  # how it measures

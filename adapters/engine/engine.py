@@ -64,8 +64,9 @@ import msgspec
 import torch
 from llguidance import LLMatcher
 
+from adapters.engine.console import say
 from adapters.engine.grammar import GrammarError, Grammars, Penalty, tokenizer_for
-from adapters.engine.model import LoadedModel, say
+from adapters.engine.model import LoadedModel
 from adapters.engine.options import DEFAULT_KV_CACHE_TOKENS
 from adapters.engine.paged_attention import ATTENTIONS, choose_attention, make_attention
 from adapters.engine.runner import DEFAULT_BLOCK_SIZE, Chunk, Runner

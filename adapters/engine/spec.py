@@ -11,7 +11,7 @@ data and a name table, not a copy of the forward.
 
 Multipliers that are one constant per model (an embedding scale, residual and
 logit multipliers, the attention scale, Gemma's 1 + w norm weights) are folded
-into the weights when they are loaded (runner.py says how), so the forward
+into the weights when they are loaded (loader.py says how), so the forward
 itself never multiplies by them. A layer's feed-forward part is a gated MLP, or a
 mixture of experts (`Experts`: a router picks each row's top-k of many gated
 MLPs and weighs their outputs), with or beside a shared MLP (Qwen2-MoE's shared
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from adapters.engine.rope import Rotary
+from adapters.engine.layers.rotary import Rotary
 
 Activation = Literal["silu", "gelu_tanh"]
 QkNorm = Literal["head", "width"]  # per head over head_dim, or over the whole projection

@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
+from adapters.engine.layers.attention import padded_table
 from adapters.engine.paged_attention import GatherAttention, TritonAttention
-from adapters.engine.runner import Runner, padded_table
+from adapters.engine.runner import Runner
 
 SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32)
 BUCKET_STEP = 32  # past SMALL_BUCKETS, every multiple of this up to the row limit

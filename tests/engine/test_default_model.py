@@ -13,12 +13,12 @@ import torch
 
 from adapters.engine.choose import GATE_TOKENS, choice_cache, choose, working_formats
 from adapters.engine.engine import Engine
+from adapters.engine.files import fingerprint
 from adapters.engine.model import (
     DEFAULT_MODEL_NAME,
     LoadedModel,
     boundary_cache,
     default_gguf_path,
-    fingerprint,
     load_model,
 )
 from adapters.engine.quality import gate_cache, passes, perplexities

@@ -13,6 +13,7 @@ from adapters.engine.choose import working_formats
 from adapters.engine.engine import Engine, logprob_records, sample_rows
 from adapters.engine.families import UnsupportedModel
 from adapters.engine.grammar import forbidden_penalty
+from adapters.engine.layers.attention import row_groups
 from adapters.engine.model import LoadedModel
 from adapters.engine.runner import Runner
 from adapters.engine.sampling import TokenDraw
@@ -205,7 +206,7 @@ def test_decoding_rows_in_groups_gives_the_logits_of_one_gather(tiny: LlamaForCa
     pages = runner.pages(tables, 13)
     whole = runner.decode(pages, positions, tokens)
     runner._gather_bytes = 1  # one row per group
-    assert len(runner._row_groups(pages, 3)) == 3
+    assert len(row_groups(pages, 3, runner._gather_bytes, runner.k_cache[0])) == 3
     grouped = runner.decode(pages, positions, tokens)
     assert torch.allclose(whole, torch.stack(expected), atol=1e-5)
     assert torch.allclose(grouped, whole, atol=1e-6)

@@ -22,7 +22,8 @@ import torch
 from adapters.engine.engine import Engine
 from adapters.engine.families import FAMILIES, family_for
 from adapters.engine.model import LoadedModel, load_model
-from adapters.engine.native import NativeUnavailable, load, model_problem
+from adapters.engine.native import model_problem
+from adapters.engine.native_build import NativeUnavailable, load
 from adapters.engine.runner import Runner
 from core.batching import BatchLimits
 from core.protocol import Assignment, Decoded, GenerationRequest

@@ -24,7 +24,8 @@ from adapters.cli.serve import ServeOptions
 from adapters.engine.engine import Engine
 from adapters.engine.grammar import json_schema_grammar
 from adapters.engine.model import LoadedModel, chat_token_ids, load_model
-from adapters.engine.native import NativeUnavailable, load, model_problem
+from adapters.engine.native import model_problem
+from adapters.engine.native_build import NativeUnavailable, load
 from core.batching import BatchLimits
 from core.protocol import Assignment, Constraint, Decoded, GenerationRequest, Sampling
 from tests.support import tiny_models

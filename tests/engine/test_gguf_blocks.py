@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from adapters.engine.ggml_blocks import SHIPPED, pack_blocks, shippable
-from adapters.engine.native import Library, NativeProduct, Part
+from adapters.engine.native import NativeProduct, Part
+from adapters.engine.native_build import Library
 from tests.conftest import native_library
 from tests.engine.test_native import reference
 

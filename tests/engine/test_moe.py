@@ -38,7 +38,7 @@ def prefilled(runner: Runner) -> tuple[list[list[int]], torch.Tensor, torch.Tens
 
 
 def _native_or_skip() -> None:
-    from adapters.engine.native import NativeUnavailable, load
+    from adapters.engine.native_build import NativeUnavailable, load
 
     try:
         load()

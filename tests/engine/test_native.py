@@ -10,17 +10,14 @@ import pytest
 import torch
 
 from adapters.engine import native
-from adapters.engine.native import (
+from adapters.engine.native import NativeProduct, pack4, pack8, unpack
+from adapters.engine.native_build import (
     ISAS,
     Library,
-    NativeProduct,
     NativeUnavailable,
     cpu_flags,
     load,
-    pack4,
-    pack8,
     pick_isa,
-    unpack,
 )
 from adapters.engine.runner import Runner
 from tests.conftest import native_library
@@ -169,7 +166,7 @@ def test_the_instruction_set_is_picked_from_the_cpu_flags() -> None:
 def test_turned_off_or_without_a_compiler_the_format_is_unavailable(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from adapters.engine import native
+    from adapters.engine import native_build
     from adapters.engine.choose import working_formats
 
     monkeypatch.setenv("FENCEPOST_NATIVE", "off")
@@ -180,7 +177,7 @@ def test_turned_off_or_without_a_compiler_the_format_is_unavailable(
     monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.delenv("CC", raising=False)
     with pytest.raises(NativeUnavailable, match="no C compiler"):
-        native._compiler()
+        native_build._compiler()
 
 
 def test_results_do_not_depend_on_the_thread_count() -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from adapters.engine.errors import ModelError
-from adapters.engine.rope import RopeError, Rotary, rotary
+from adapters.engine.layers.rotary import RopeError, Rotary, rotary
 from adapters.engine.spec import (
     Activation,
     Attention,

@@ -2,7 +2,7 @@
 
 qkv_proj holds q's rows, then k's, then v's; gate_up_proj the gate's half first.
 rope_parameters may rotate only part of each head (partial_rotary_factor, as in
-Phi-4-mini) and use longrope (rope.py says how its short and long factors are
+Phi-4-mini) and use longrope (layers/rotary.py says how its short and long factors are
 chosen; Phi3Config puts its top-level original_max_position_embeddings there).
 A sliding_window, when set, windows every layer.
 """

@@ -8,8 +8,11 @@ sin; the rotation itself is the same everywhere (the two halves of the rotated
 part of a head, as transformers' rotate_half does), and a partial factor leaves
 the rest of the head as it is. So each kind is one function from its parameters
 to a `Rotary`, computed in fp32 the way transformers computes it (the tests
-compare every kind with transformers' own functions), and the runner turns a
-Rotary into cos and sin tables by position.
+compare every kind with transformers' own functions). `Rotary.tables` turns one into
+cos and sin tables by position (the runner keeps them for its context), and
+`rotate_store` applies a layer's table to q and k as their keys go into the KV
+cache: one kernel on CUDA (fused.py), torch's ops elsewhere, and the head's
+unrotated rest passed through where only part of it turns.
 
 Kinds: default, linear (positions divided by a factor), llama3 (low frequencies
 divided by the factor, high ones kept, a smooth band between), yarn (the same
@@ -36,6 +39,10 @@ from typing import Any
 
 import torch
 
+from adapters.engine import fused
+
+# cos and sin of one rotary kind, [positions (or rows), rotated dims]
+Table = tuple[torch.Tensor, torch.Tensor]
 KINDS = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
 
@@ -168,3 +175,52 @@ def _yarn(
     frequencies = base**exponents
     inv = (1.0 / (factor * frequencies)) * (1 - extrapolated) + (1.0 / frequencies) * extrapolated
     return Rotary(inv, dim, float(attention))
+
+
+def at_positions(tables: list[Table], positions: torch.Tensor) -> list[Table]:
+    """Each rotary table's cos and sin at the rows' positions ([rows, its dims])."""
+    return [(cos[positions], sin[positions]) for cos, sin in tables]
+
+
+def rotate_store(
+    qkv: torch.Tensor,
+    table: Table | None,
+    heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    writes: torch.Tensor,
+    kernel: bool,
+) -> torch.Tensor:
+    """One layer's attention inputs from qkv [rows, (heads + 2 kv_heads) * dim]: q and k
+    rotated by `table` (the rows' cos and sin; None: no rotary), k and v written to
+    the layer's caches [kv_heads, slots, dim] at the rows' slots `writes` -> q [rows,
+    heads, dim]. `kernel`: the triton kernel (fused.rotate_store), for a rotary over
+    whole heads."""
+    if table is not None and kernel:
+        return fused.rotate_store(qkv, *table, heads, k_cache, v_cache, writes)
+    if table is not None and table[0].shape[-1] == k_cache.shape[-1]:
+        return fused.torch_rotate_store(qkv, *table, heads, k_cache, v_cache, writes)
+    return _partial_rotate_store(qkv, table, heads, k_cache, v_cache, writes)
+
+
+def _partial_rotate_store(
+    qkv: torch.Tensor,
+    table: Table | None,
+    heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    writes: torch.Tensor,
+) -> torch.Tensor:
+    """rotate_store for a rotary over the first part of each head only (or none):
+    the rest of q and k passes as it is."""
+    rows, kv_heads, dim = qkv.shape[0], k_cache.shape[0], k_cache.shape[-1]
+    qk = qkv[:, : (heads + kv_heads) * dim].reshape(rows, heads + kv_heads, dim)
+    if table is not None:
+        cos, sin = table
+        turned = cos.shape[-1]
+        rotated = fused.torch_rotate(qk[..., :turned], cos[:, None, :], sin[:, None, :])
+        qk = torch.cat([rotated, qk[..., turned:]], dim=-1)
+    k_cache[:, writes] = qk[:, heads:].transpose(0, 1)
+    values = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
+    v_cache[:, writes] = values.transpose(0, 1)
+    return qk[:, :heads]
