@@ -81,17 +81,26 @@ def native_status(spec: ModelSpec | None = None) -> str:
     return f"native kernels (w4a16): {library.isa}, {library.tile}-row tiles, {library.path}{unfit}"
 
 
+def gpu_format(device: torch.device) -> str:
+    """bf16 on a GPU that computes it (NVIDIA from Ampere on), fp16 on one that does not."""
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        return "fp16"
+    return "bf16"
+
+
 def working_formats(device: torch.device, spec: ModelSpec | None = None) -> list[str]:
     """Formats whose kernels run here and agree with fp32 on a small product (and, given
     a model, whose fused pass runs it: the native format's)."""
     if device.type != "cpu":
-        return ["bf16"]
+        return [gpu_format(device)]
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(64, 128, generator=generator)
     x = torch.randn(3, 128, generator=generator)
     exact = x @ weight.T
     found = []
     for fmt in FORMATS:
+        if fmt == "fp16":  # a GPU's format for cards without bf16: no CPU's choice
+            continue
         try:
             got = projection(weight, fmt)(x.to(activation_dtype(fmt))).float()
         except (RuntimeError, NotImplementedError, ValueError):
@@ -160,7 +169,8 @@ def choice_cache(loaded: LoadedModel, rows: int) -> Path:
 def choose(loaded: LoadedModel, rows: int, say: Say) -> Choice:
     device = loaded.device
     if device.type != "cpu":
-        return Choice("bf16", f"bf16 on {device.type}")
+        fmt = gpu_format(device)
+        return Choice(fmt, f"{fmt} on {device.type}" + ("" if fmt == "bf16" else " (no bf16)"))
     capability = torch.backends.cpu.get_cpu_capability()
     say(f"CPU: torch kernels {capability}; flags {' '.join(cpu_flags()) or 'none of note'}")
     say(native_status(loaded.spec))

@@ -38,7 +38,8 @@ Decode steps on a GPU run as CUDA graphs (adapters/engine/static_decode.py):
 the step's inputs go into static buffers padded to a captured batch size,
 and one replay runs the whole forward pass; attention there reads each row
 up to its own length (paged_attention.py, chosen at start by measurement).
-`decode` says which: "auto" (graphs on CUDA, eager elsewhere), "eager" (the
+`decode` says which: "auto" (graphs on CUDA, the uncaptured fixed-shape step
+on the GPU path on a CPU, eager elsewhere), "eager" (the
 forward pass of runner.py, shaped by each step), "static" (the fixed-shape
 step without capture: the CPU tests' view of what a graph replays) or
 "graphs". Prefill steps stay eager: their shapes follow the chunks.
@@ -151,7 +152,11 @@ class Engine:
 
     decode: how decode steps run (DECODE_PATHS, the module's docstring);
     attention: the fixed-shape step's attention (paged_attention.ATTENTIONS), or
-    "auto": measured at start on CUDA, "gather" elsewhere."""
+    "auto": measured at start on CUDA, "gather" elsewhere.
+
+    gpu_path: run the GPU's code (runner.py's Runner; None: on CUDA). On a CPU
+    that is the GPU's dtype, fused kernels and decode attention through triton's
+    interpreter, and "auto" decode is the fixed-shape step graphs would capture."""
 
     def __init__(
         self,
@@ -166,6 +171,7 @@ class Engine:
         decode: str = "auto",
         attention: str = "auto",
         kv_cache_share: float | None = None,
+        gpu_path: bool | None = None,
     ) -> None:
         limits = limits or BatchLimits(max_context=min(2048, loaded.max_context))
         if limits.max_context > loaded.max_context:
@@ -176,21 +182,25 @@ class Engine:
         if weights == "auto":  # choosing builds engines: the builder does it, once
             raise ValueError('weights "auto" is chosen by adapters.engine.build, not here')
         if kv_cache_tokens is None:  # sized from what the weights leave free
-            self.runner = Runner(loaded, None, block_size, limits.max_context, weights)
+            self.runner = Runner(
+                loaded, None, block_size, limits.max_context, weights, gpu_path=gpu_path
+            )
             tokens, context, line = pool_size(self.runner, limits, kv_cache_share)
             say(line)
             limits = msgspec.structs.replace(limits, max_context=context)
             self.runner.allocate(tokens // block_size, context)
         else:
             blocks = kv_cache_tokens // block_size
-            self.runner = Runner(loaded, blocks, block_size, limits.max_context, weights)
+            self.runner = Runner(
+                loaded, blocks, block_size, limits.max_context, weights, gpu_path=gpu_path
+            )
         if self.runner.weight_sources:  # the native format on a GGUF: what ran as shipped
             sources = self.runner.weight_sources.most_common()
             say("weights: " + ", ".join(f"{count} x {source}" for source, count in sources))
         self.limits = limits
         self.blocks = BlockManager(self.runner.num_blocks, block_size, prefix_caching)
         self.device = self.runner.device
-        if self.device.type == "cuda":
+        if self.runner.gpu_path:
             fused = self.runner.fused_problem
             say(f"elementwise kernels: {'fused (triton)' if fused is None else f'torch ({fused})'}")
         self.static = self._static_decode(decode, attention)
@@ -217,8 +227,8 @@ class Engine:
             raise ValueError(f"unknown attention {attention!r}; auto or {', '.join(ATTENTIONS)}")
         cuda = self.device.type == "cuda"
         auto = decode == "auto"
-        if auto:
-            decode = "graphs" if cuda else "eager"
+        if auto:  # the GPU path on a CPU: the step graphs capture, run uncaptured
+            decode = "graphs" if cuda else "static" if self.runner.gpu_path else "eager"
         if decode == "eager":
             return None
         if decode == "graphs" and not cuda:

@@ -10,13 +10,14 @@ rotary one kernel that also writes k and v to their cache slots
 (`rotate_store`); each reads its inputs once, computes in fp32 and rounds
 once.
 
-Used on CUDA whenever triton is there and the shape fits (`fused_problem`),
-by prefill and decode alike, so that a position prefilled and one decoded go
-through the same arithmetic; FENCEPOST_FUSED=off leaves them out (the start
-log says which). CPU keeps torch's ops, which live here too (torch_*): the
-CPU path, and the kernels' reference. The kernels (triton_kernels.py) are
-imported at first use;
-the tests run them through triton's interpreter against the torch ops.
+Used on the GPU path (on CUDA, and on a CPU that runs the GPU's code through
+triton's interpreter: runner.py) whenever triton is there and the shape fits
+(`fused_problem`), by prefill and decode alike, so that a position prefilled
+and one decoded go through the same arithmetic; FENCEPOST_FUSED=off leaves
+them out (the start log says which). The CPU path keeps torch's ops, which
+live here too (torch_*): the CPU's arithmetic, and the kernels' reference.
+The kernels (triton_kernels.py) are imported at first use; the tests run them
+through triton's interpreter against the torch ops.
 """
 
 from __future__ import annotations
@@ -31,13 +32,35 @@ import torch.nn.functional as F
 SILU_BLOCK = 1024  # gate columns per program
 
 
-def fused_problem(device: torch.device, hidden: int, head_dim: int) -> str | None:
-    """Why the fused kernels are not used for this model on this device, or None."""
+def fused_problem(
+    device: torch.device, hidden: int, head_dim: int, gpu_path: bool = True
+) -> str | None:
+    """Why the fused kernels are not used for this model on this device, or None.
+    `gpu_path`: whether the runner runs the GPU's code (runner.py); the CPU's keeps
+    torch's ops."""
     if os.environ.get("FENCEPOST_FUSED", "").lower() == "off":
         return "FENCEPOST_FUSED=off"
-    if device.type != "cuda":
-        return f"the kernels are for CUDA, not {device.type}"
+    if not gpu_path:
+        return "the CPU path keeps torch's ops"
+    if problem := kernel_device_problem(device):
+        return problem
     return fused_shape_problem(hidden, head_dim)
+
+
+def kernel_device_problem(device: torch.device) -> str | None:
+    """Why triton's kernels cannot run on this device, or None: CUDA compiles them, and
+    a CPU runs them through triton's interpreter when TRITON_INTERPRET=1 was set
+    before triton was first imported (the GPU path on a CPU: runner.py)."""
+    if problem := triton_missing():
+        return problem
+    if device.type == "cuda" or (device.type == "cpu" and interpreting()):
+        return None
+    return f"the kernels are compiled for CUDA, not {device.type} (TRITON_INTERPRET is not 1)"
+
+
+def interpreting() -> bool:
+    """Whether triton runs its kernels through its interpreter (on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
 def kernel_problem(
@@ -152,9 +175,11 @@ def silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
 def torch_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """RMSNorm as torch ops (the CPU path's, and rms_norm's reference), handed on in
-    the products' dtype `out`."""
-    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    """RMSNorm as torch ops (the CPU path's, and rms_norm's reference), computed in
+    fp32 as the kernel computes it (a no-op on the CPU path's fp32 rows) and handed
+    on in the products' dtype `out`."""
+    x = x.float()
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     return normed.to(out)
 
 

@@ -26,7 +26,13 @@ import torch
 from adapters.engine.checkpoint import CheckpointError, expert_matrix
 from adapters.engine.checkpoint import first as first_present
 from adapters.engine.spec import Experts, ExpertTensors, ModelSpec
-from adapters.engine.weights import Projection, activation_dtype, output_format, projection
+from adapters.engine.weights import (
+    DENSE,
+    Projection,
+    activation_dtype,
+    output_format,
+    projection,
+)
 
 if TYPE_CHECKING:
     from adapters.engine.model import LoadedModel
@@ -367,7 +373,7 @@ def _experts(
     def matrix(which: int, index: int) -> torch.Tensor:
         return expert_matrix(checkpoint, names, which, index).to(device, torch.float32)
 
-    if fmt in ("fp32", "bf16"):
+    if fmt in DENSE:
         dtype = activation_dtype(fmt)
         stacked = _stacked_as_held(checkpoint, names, dtype, device) if residual == 1.0 else None
         if stacked is not None:  # transformers' own layout already: no copy

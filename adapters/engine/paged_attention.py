@@ -29,9 +29,11 @@ query part of the rotated q and k is), one layer's cache [kv_heads, slots,
 dim] and that layer's attention settings (spec.Attention), and give [rows,
 heads * dim]. `bind(tables, lengths)` does the per-step work once (the masks,
 the span grid) and returns the per-layer function. Not every kind runs every
-layer: the gathers mask a layer's window and cap its scores; SDPA takes a
-window but no cap; the kernel neither. `problem(spec)` says what a kind cannot
-run for a model, and the choice leaves it out with that reason.
+layer: the gathers and the kernel mask a layer's window and cap its scores;
+SDPA takes a window but no cap. `problem(spec)` says what a kind cannot run
+for a model, and the choice leaves it out with that reason. A windowed row's
+spans are still cut by its length alone: those wholly before the window read
+nothing and add nothing to the join.
 
 The kernels (triton_kernels.py) are imported at first use, so CPU serving
 never imports triton; with TRITON_INTERPRET=1 set before that first use they
@@ -48,7 +50,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from adapters.engine.fused import next_pow2, triton_missing
+from adapters.engine.fused import kernel_device_problem, next_pow2
 from adapters.engine.layers.attention import Attend, attend_gathered
 from adapters.engine.spec import Attention, ModelSpec
 
@@ -169,10 +171,8 @@ class TritonAttention:
 
     @staticmethod
     def problem(spec: ModelSpec) -> str | None:
-        found = spec.features() & {"window", "softcap"}
-        if found:
-            return f"the kernel has no {' or '.join(sorted(found))}"
-        return None
+        del spec
+        return None  # windows and caps alike, per layer
 
     def bind(
         self, tables: torch.Tensor, lengths: torch.Tensor, longest: int | None = None
@@ -193,15 +193,16 @@ class TritonAttention:
         def attend(
             q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: Attention
         ) -> torch.Tensor:
-            del layer  # a model that windows or caps never gets this kind (problem)
             assert q.stride(2) == 1 and q.stride(1) == self.head_dim, "heads, dims contiguous"
             out = torch.empty((rows, self.heads * self.head_dim), dtype=q.dtype, device=device)
             slots = k_cache.shape[1]
+            window, softcap = layer.window, layer.softcap
             partial[(rows, self.kv_heads, spans)](
                 q, k_cache, v_cache, tables, lengths, top, total, acc,
-                q.stride(0), slots, width, spans,
+                q.stride(0), slots, width, spans, window or 0, softcap or 1.0,
                 HEAD_DIM=self.head_dim, GROUP=self.group, GROUP_P2=self.group_p2,
                 BLOCK=self.block_size, SPAN=SPAN, PARTS=MAX_SPANS, CHUNK=CHUNK,
+                WINDOWED=window is not None, CAPPED=softcap is not None,
             )  # fmt: skip
             join[(rows, self.kv_heads)](
                 top, total, acc, out, lengths, spans,
@@ -254,10 +255,13 @@ def choose_attention(
     reference = candidates[0].bind(trial.tables, trial.lengths)
     want = reference(trial.q.float(), trial.k.float(), trial.v.float(), trial.layer)
     tolerance = 1e-4 if trial.q.dtype == torch.float32 else 3e-2
+    # The GPU path on a CPU: triton's interpreter is no measure of a GPU, so the kinds
+    # are checked but not timed, and the last that passes (the kernel) is taken.
+    untimed = runner.gpu_path and runner.device.type == "cpu"
     timings = []
     for candidate in candidates:
         try:
-            seconds, got = trial.time(candidate)
+            seconds, got = trial.time(candidate, repeats=0 if untimed else 7)
         except Exception as error:  # a kernel that fails to build is no candidate
             say(f"decode attention: {candidate.name} failed to run ({type(error).__name__}: "
                 f"{error})")  # fmt: skip
@@ -268,6 +272,12 @@ def choose_attention(
                 f"{gap:.3g}; not used")  # fmt: skip
             continue
         timings.append((seconds, candidate))
+    if untimed:
+        chosen = timings[-1][1]
+        names = ", ".join(c.name for _, c in timings)
+        say(f"decode attention: {chosen.name}, the last of {names} that agree with an fp32 "
+            "gather (the GPU path on a CPU: untimed, triton runs interpreted)")  # fmt: skip
+        return chosen
     timings.sort(key=lambda pair: pair[0])
     figures = ", ".join(f"{c.name} {t * 1e3:.3f} ms" for t, c in timings)
     say(
@@ -281,14 +291,15 @@ def _candidates(runner: Any, say: Callable[[str], None]) -> list[GatherAttention
     """The kinds that can run for this runner's shape on its device, gather first."""
     shape = (runner.heads, runner.kv_heads, runner.head_dim, runner.block_size)
     candidates: list[GatherAttention | TritonAttention] = [GatherAttention(*shape)]
-    if runner.device.type == "cuda":  # on CPU the flash kernel's fixed costs lose (layers/)
+    if runner.gpu_path:  # on the CPU path the flash kernel's fixed costs lose (layers/)
         if (unfit := SdpaAttention.problem(runner.spec)) is None:
             candidates.append(SdpaAttention(*shape))
         else:
             say(f"decode attention: no sdpa candidate for this model ({unfit})")
-    problem = triton_missing() or triton_problem(*shape[:3]) or TritonAttention.problem(runner.spec)
-    if runner.device.type != "cuda":
-        problem = problem or f"the kernel is compiled for CUDA, not {runner.device.type}"
+    problem = triton_problem(*shape[:3]) or TritonAttention.problem(runner.spec)
+    if not runner.gpu_path:
+        problem = problem or "the CPU path keeps torch's ops"
+    problem = kernel_device_problem(runner.device) or problem
     if problem is None:
         candidates.append(TritonAttention(*shape, runner.max_context))
     else:
@@ -315,12 +326,17 @@ class _Trial:
         self.v = torch.randn(runner.v_cache.shape[1:], device=device, dtype=dtype)
         self.layer = runner.spec.layers[0].attention  # its window and cap, if any
 
-    def time(self, attention: GatherAttention | TritonAttention) -> tuple[float, torch.Tensor]:
-        """Seconds per call (the median of 7 timings of 5 calls) and the output."""
+    def time(
+        self, attention: GatherAttention | TritonAttention, repeats: int = 7
+    ) -> tuple[float, torch.Tensor]:
+        """Seconds per call (the median of `repeats` timings of 5 calls; 0: not timed)
+        and the output."""
         attend = attention.bind(self.tables, self.lengths)
         out = attend(self.q, self.k, self.v, self.layer)
+        if not repeats:
+            return 0.0, out
         samples = []
-        for _ in range(7):
+        for _ in range(repeats):
             _sync(self.q.device)
             began = time.perf_counter()
             for _ in range(5):

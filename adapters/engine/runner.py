@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from adapters.engine.fused import fused_problem, kernel_problem
+from adapters.engine.fused import fused_problem, kernel_device_problem, kernel_problem
 from adapters.engine.layers.attention import (
     CPU_GATHER_BYTES,
     Attend,
@@ -48,7 +48,7 @@ from adapters.engine.layers.norm import qk_norm, rms_norm
 from adapters.engine.layers.rotary import Table, at_positions, rotate_store
 from adapters.engine.loader import LayerWeights, load_weights, return_freed_heap, tensor_bytes
 from adapters.engine.spec import Layer
-from adapters.engine.weights import FORMATS, activation_dtype
+from adapters.engine.weights import DENSE, FORMATS, activation_dtype
 
 if TYPE_CHECKING:
     from adapters.engine.model import LoadedModel
@@ -62,6 +62,10 @@ ROW_ATTENTION_POSITIONS = 1 << 17
 DEFAULT_BLOCK_SIZE = 16  # positions per KV block, chosen by measurement (engine.md)
 
 
+class AttentionDtypeError(TypeError):
+    """Attention's inputs in two dtypes: a bug of the forward pass, named where it is."""
+
+
 class Chunk(NamedTuple):
     """Part of one sequence's context to prefill: `tokens` at positions start.. of the
     sequence whose blocks are `table` (the table must cover them)."""
@@ -71,11 +75,23 @@ class Chunk(NamedTuple):
     tokens: torch.Tensor  # [count] token ids
 
 
-def state_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+def state_dtype(gpu_path: bool, dtype: torch.dtype) -> torch.dtype:
     """What the runner keeps its activations, rotary tables and (but for w4a16) caches
-    in: fp32 on a CPU, whose elementwise work is no faster in 16 bits, and the weights'
-    activation dtype on a GPU."""
-    return torch.float32 if device.type == "cpu" else dtype
+    in: fp32 on the CPU path, since a CPU's elementwise work is no faster in 16 bits,
+    and the weights' activation dtype on the GPU path."""
+    return dtype if gpu_path else torch.float32
+
+
+def gpu_path_problem(device: torch.device, weights: str) -> str | None:
+    """Why the GPU's code cannot run on this device with these weights, or None."""
+    if weights not in DENSE:
+        return f"{weights} is a CPU format; the GPU path runs {', '.join(DENSE)}"
+    if device.type == "cpu" and (problem := kernel_device_problem(device)):
+        return (
+            f"on a CPU the GPU path runs triton's kernels through its interpreter ({problem}): "
+            "set TRITON_INTERPRET=1 before triton is first imported"
+        )
+    return None
 
 
 class Runner:
@@ -93,6 +109,13 @@ class Runner:
     `layers`, when given, builds only the first that many layers (start-up speed
     trials measure a few layers and scale by their count). `num_blocks` None: the
     KV pool and rotary tables wait for `allocate`.
+
+    `gpu_path`: run the GPU's code (None: on CUDA). It differs from the CPU's in
+    the state dtype (the weights' activation dtype: bf16 or fp16), the fused
+    triton kernels (fused.py), no gather budget for decode attention, and, in the
+    engine, the fixed-shape decode step with the triton decode attention. On a
+    CPU it runs the kernels through triton's interpreter: how the tests run, on
+    a machine without a GPU, the code a GPU runs (docs/design/engine.md).
     """
 
     def __init__(
@@ -103,9 +126,13 @@ class Runner:
         max_context: int,
         weights: str = "fp32",
         layers: int | None = None,
+        gpu_path: bool | None = None,
     ) -> None:
         if weights not in FORMATS:
             raise ValueError(f"unknown weight format {weights!r}; one of {', '.join(FORMATS)}")
+        self.gpu_path = loaded.device.type == "cuda" if gpu_path is None else gpu_path
+        if self.gpu_path and (problem := gpu_path_problem(loaded.device, weights)):
+            raise ValueError(problem)
         spec = loaded.spec
         if layers is not None:
             from dataclasses import replace
@@ -115,7 +142,7 @@ class Runner:
         self.format = weights
         self.device = loaded.device
         self.dtype = activation_dtype(weights)
-        self.state_dtype = state_dtype(self.device, self.dtype)
+        self.state_dtype = state_dtype(self.gpu_path, self.dtype)
         self.heads, self.kv_heads, self.head_dim = spec.heads, spec.kv_heads, spec.head_dim
         self.eps = spec.eps
         self.vocab_size = spec.vocab
@@ -128,13 +155,13 @@ class Runner:
         self.weight_sources: Counter[str] = sources
         loaded.checkpoint.release()
         return_freed_heap()
-        # Norms, rotary and the SiLU gate as one triton kernel each (fused.py): on CUDA,
-        # once triton has built them and they agree with torch's ops here. Rotary and the
-        # gate only where every layer is the plain kind the kernels compute.
+        # Norms, rotary and the SiLU gate as one triton kernel each (fused.py): on the GPU
+        # path, once triton has built them and they agree with torch's ops here. Rotary and
+        # the gate only where every layer is the plain kind the kernels compute.
         hidden = spec.hidden
-        self.fused_problem = fused_problem(self.device, hidden, self.head_dim) or kernel_problem(
-            self.device, self.state_dtype, hidden, self.head_dim
-        )
+        self.fused_problem = fused_problem(
+            self.device, hidden, self.head_dim, self.gpu_path
+        ) or kernel_problem(self.device, self.state_dtype, hidden, self.head_dim)
         self.fused = self.fused_problem is None
         features = spec.features()
         self.fused_rotate = self.fused and not features & {"partial_rotary", "no_rotary"}
@@ -145,7 +172,7 @@ class Runner:
         self.block_size = block_size
         self._kv_size = self.kv_heads * self.head_dim
         # Bytes of keys and values a decode step gathers at once (None: no bound).
-        self._gather_bytes = CPU_GATHER_BYTES if self.device.type == "cpu" else None
+        self._gather_bytes = None if self.gpu_path else CPU_GATHER_BYTES
         self._native: NativeModel | None = None
         self._fixed_shapes = False  # inside forward_static: no shape read from the device
         # The native format keeps keys and values in fp16 (half the bytes attention
@@ -277,6 +304,11 @@ class Runner:
         for index, (layer, weights) in enumerate(zip(self.spec.layers, self.layers, strict=True)):
             k_cache, v_cache = self.k_cache[index], self.v_cache[index]
             q = self._attention_inputs(x, layer, weights, rotary, k_cache, v_cache, writes)
+            if q.dtype != k_cache.dtype:  # a norm, rotary or scale that changed a dtype
+                raise AttentionDtypeError(
+                    f"layer {index}: q is {q.dtype} after its norms and rotary, but the KV "
+                    f"cache holds {k_cache.dtype} ({self.spec.family}, {self.format} weights)"
+                )
             out = attend(q, k_cache, v_cache, layer.attention)
             x = self._attention_output(x, out, weights)
             x = self._mlp(x, layer, weights)

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 # The paged decode attention: each (row, key head, span) program reads its row's
-# blocks up to the row's length with an online softmax; `join` combines the spans.
+# blocks up to the row's length (from the window's first position, where the layer
+# has a window) with an online softmax; `join` combines the spans.
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -31,10 +32,14 @@ def row_span(length, SPAN: tl.constexpr, PARTS: tl.constexpr):  # type: ignore[n
 @triton.jit  # type: ignore[untyped-decorator]
 def partial(  # type: ignore[no-untyped-def]
     q_ptr, k_ptr, v_ptr, tables_ptr, lengths_ptr, top_ptr, total_ptr, acc_ptr,
-    q_stride, slots, width, spans,
+    q_stride, slots, width, spans, window, softcap,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
     BLOCK: tl.constexpr, SPAN: tl.constexpr, PARTS: tl.constexpr, CHUNK: tl.constexpr,
+    WINDOWED: tl.constexpr, CAPPED: tl.constexpr,
 ):  # fmt: skip
+    # window: a row sees its last `window` positions (WINDOWED); softcap: scores become
+    # tanh(s / softcap) * softcap (CAPPED). The spans are cut by the row's length alone,
+    # windowed or not, so the join adds the same spans in the same order in any batch.
     row = tl.program_id(0)
     kv = tl.program_id(1)
     part = tl.program_id(2)
@@ -49,11 +54,14 @@ def partial(  # type: ignore[no-untyped-def]
     span = row_span(length, SPAN, PARTS)
     start = part * span
     end = tl.minimum(length, start + span)
+    first_seen = start
+    if WINDOWED:  # a span wholly before the window reads nothing and stores an empty part
+        first_seen = tl.maximum(start, length - window)
     top = tl.full([GROUP_P2], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_P2], tl.float32)
     acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
     base = kv.to(tl.int64) * slots * HEAD_DIM
-    for first in range(start, end, CHUNK):
+    for first in range(first_seen, end, CHUNK):
         position = first + tl.arange(0, CHUNK)
         valid = position < end
         block = tl.load(tables_ptr + row * width + position // BLOCK, mask=valid, other=0)
@@ -62,9 +70,11 @@ def partial(  # type: ignore[no-untyped-def]
         k = tl.load(k_ptr + at, mask=valid[:, None], other=0.0).to(tl.float32)
         v = tl.load(v_ptr + at, mask=valid[:, None], other=0.0).to(tl.float32)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        if CAPPED:  # tanh through exp (on every backend): 1 - 2 / (e^2x + 1)
+            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_top = tl.maximum(top, tl.max(scores, axis=1))
-        scale = tl.exp(top - new_top)
+        scale = tl.exp(top - new_top)  # new_top is finite: `first` itself is valid
         p = tl.exp(scores - new_top[:, None])
         total = total * scale + tl.sum(p, axis=1)
         acc = acc * scale[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)

@@ -2,7 +2,10 @@
 
 - fp32: as loaded (the GGUF's dequantized values); activations fp32.
 - bf16: W and activations in bfloat16: half the bytes; fast where the CPU has
-  bf16 dot products (AVX-512 BF16, AMX), slow where it emulates them.
+  bf16 dot products (AVX-512 BF16, AMX), slow where it emulates them. What a
+  GPU serves.
+- fp16: the same in float16, for GPUs without bf16 (before NVIDIA's Ampere);
+  never a CPU's choice (choose.py measures the others there).
 - int8: weight-only, per output channel (W = q * scale, q in [-128, 127]),
   activations bf16, torch's `_weight_int8pack_mm` kernel: a quarter of fp32's
   bytes, and nothing about the activations is quantized.
@@ -37,7 +40,8 @@ from typing import Protocol
 
 import torch
 
-FORMATS = ("fp32", "bf16", "int8", "int4", "w4a16")
+FORMATS = ("fp32", "bf16", "fp16", "int8", "int4", "w4a16")
+DENSE = ("fp32", "bf16", "fp16")  # W kept as it is, in the activations' dtype
 QUANTIZED = ("int8", "int4", "w4a16")
 INT4_GROUP = 32
 
@@ -50,7 +54,9 @@ class Projection(Protocol):
 
 def activation_dtype(fmt: str) -> torch.dtype:
     """The dtype of everything between products: fp32 for fp32 weights and for w4a16 (whose
-    products quantize fp32 activations themselves), bf16 otherwise."""
+    products quantize fp32 activations themselves), fp16 for fp16, bf16 otherwise."""
+    if fmt == "fp16":
+        return torch.float16
     return torch.float32 if fmt in ("fp32", "w4a16") else torch.bfloat16
 
 
@@ -61,10 +67,10 @@ def output_format(fmt: str) -> str:
 
 def projection(weight: torch.Tensor, fmt: str) -> Projection:
     """The weight [out, in] in format `fmt`."""
-    if fmt in ("fp32", "bf16"):
+    if fmt in DENSE:
         return Dense(weight.to(activation_dtype(fmt)).contiguous())
     if weight.device.type != "cpu":
-        raise ValueError(f"{fmt} weights are a CPU format; use bf16 on {weight.device.type}")
+        raise ValueError(f"{fmt} weights are a CPU format; use bf16 or fp16 on {weight.device.type}")
     if fmt == "int8":
         return Int8(weight)
     if fmt == "int4":

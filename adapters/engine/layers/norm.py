@@ -36,13 +36,15 @@ def qk_norm(
     eps: float,
 ) -> torch.Tensor:
     """q and k of qkv [rows, (heads + 2 kv_heads) * head_dim] RMSNorm-ed: each head over
-    head_dim ("head"), or each whole projection ("width"); v as it is."""
+    head_dim ("head"), or each whole projection ("width"); v as it is. In qkv's dtype
+    (the norm computes in the wider of it and the weights', then rounds once)."""
     rows, q_size, kv_size = qkv.shape[0], heads * head_dim, kv_heads * head_dim
     q, k, v = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size], qkv[:, q_size + kv_size :]
+    dtype = qkv.dtype  # kept: q and k meet v's dtype in the cache and in attention
     if kind == "head":
-        q = fused.torch_rms_norm(q.reshape(rows, heads, -1), q_norm, eps)
-        k = fused.torch_rms_norm(k.reshape(rows, kv_heads, -1), k_norm, eps)
+        q = fused.torch_rms_norm(q.reshape(rows, heads, -1), q_norm, eps, dtype)
+        k = fused.torch_rms_norm(k.reshape(rows, kv_heads, -1), k_norm, eps, dtype)
     else:
-        q = fused.torch_rms_norm(q, q_norm, eps)
-        k = fused.torch_rms_norm(k, k_norm, eps)
+        q = fused.torch_rms_norm(q, q_norm, eps, dtype)
+        k = fused.torch_rms_norm(k, k_norm, eps, dtype)
     return torch.cat([q.reshape(rows, q_size), k.reshape(rows, kv_size), v], dim=-1)
