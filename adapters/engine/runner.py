@@ -304,10 +304,11 @@ class Runner:
         for index, (layer, weights) in enumerate(zip(self.spec.layers, self.layers, strict=True)):
             k_cache, v_cache = self.k_cache[index], self.v_cache[index]
             q = self._attention_inputs(x, layer, weights, rotary, k_cache, v_cache, writes)
-            if q.dtype != k_cache.dtype:  # a norm, rotary or scale that changed a dtype
+            if q.dtype != self.state_dtype:  # a norm, rotary or scale that changed a dtype
                 raise AttentionDtypeError(
-                    f"layer {index}: q is {q.dtype} after its norms and rotary, but the KV "
-                    f"cache holds {k_cache.dtype} ({self.spec.family}, {self.format} weights)"
+                    f"layer {index}: q is {q.dtype} after its norms and rotary, but the "
+                    f"activations are {self.state_dtype} (KV cache {k_cache.dtype}; "
+                    f"{self.spec.family}, {self.format} weights)"
                 )
             out = attend(q, k_cache, v_cache, layer.attention)
             x = self._attention_output(x, out, weights)

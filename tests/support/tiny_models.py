@@ -87,9 +87,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
-def config(case: str) -> Any:
+def config(case: str, **overrides: Any) -> Any:
     kind, settings = CASES[case]
-    options = SMALL | settings
+    options = SMALL | settings | overrides
     built = getattr(transformers, kind)(**options)
     built.architectures = [
         kind.replace("TextConfig", "ForCausalLM").replace("Config", "ForCausalLM")
@@ -97,10 +97,11 @@ def config(case: str) -> Any:
     return built
 
 
-def model(case: str, seed: int = 0) -> Any:
-    """The random model of `case`, norms and biases perturbed (see the module docstring)."""
+def model(case: str, seed: int = 0, **overrides: Any) -> Any:
+    """The random model of `case`, norms and biases perturbed (see the module docstring);
+    `overrides` change its config (e.g. num_hidden_layers=2)."""
     torch.manual_seed(seed)
-    built = transformers.AutoModelForCausalLM.from_config(config(case)).eval()
+    built = transformers.AutoModelForCausalLM.from_config(config(case, **overrides)).eval()
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, parameter in built.named_parameters():
