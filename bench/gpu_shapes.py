@@ -97,7 +97,7 @@ def build_model(shape: Shape, device: torch.device, dtype: torch.dtype, seed: in
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = transformers.AutoModelForCausalLM.from_config(config)
+            model: Any = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     finally:
         torch.set_default_dtype(before)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -113,7 +113,7 @@ def build_model(shape: Shape, device: torch.device, dtype: torch.dtype, seed: in
                 param.normal_(0.0, scale, generator=generator)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    model.eval()  # type: ignore[no-untyped-call]
+    model.eval()
     return model
 
 
