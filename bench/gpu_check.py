@@ -1,15 +1,18 @@
-"""The device check of issue 13: correctness and speed of the engine on one GPU, in one run.
+"""The device check of issues 13 and 52: correctness and speed of the engine on one GPU, in one run.
 
-Builds random-weight models of real shapes on the device (no download):
-SmolLM2-135M, Llama-3.2-1B and Llama-3-8B, and of two other families, Qwen3-8B
-(per-head q/k norms, head size 128) and Gemma-3-4B (1 + w norms before and
-after each sublayer, a tanh-GELU gate, five windowed layers in six with their
-own rotary base, head size 256), and a mixture of experts, Qwen3-30B-A3B (128
-experts, 8 a token; `--shapes qwen3-30b-a3b`, not in the default list: 61 GB
-of bf16 to build) (SHAPES below; plain rotary frequencies, which change no
+Builds random-weight models of real shapes on the device (no download;
+bench/gpu_shapes.py): SmolLM2-135M, Llama-3.2-1B and Llama-3-8B, and of two
+other families, Qwen3-8B (per-head q/k norms, head size 128) and Gemma-3-4B
+(1 + w norms before and after each sublayer, a tanh-GELU gate, five windowed
+layers in six with their own rotary base, head size 256); and a mixture of
+experts, Qwen3-30B-A3B (128 experts, 8 a token, 61 GB of bf16), which joins
+the default list on a device of at least 100 GiB (the run's second line says
+whether it joined and why) and whose engine runs at 1 and 64 streams, where
+the experts' rows are grouped (plain rotary frequencies, which change no
 cost). On the first shape it checks:
 
-- fp32 greedy of our Engine equals HF `generate` over 64 tokens, 4 prompts;
+- fp32 greedy of our Engine equals HF `generate` over 64 tokens, 4 prompts
+  (eager HF, the one HF call left in this process: the check's reference);
 - decode paths, bf16 greedy, 4 prompts together: the CUDA graphs' replay
   against the same fixed-shape step run without capture (the same kernels:
   must be equal), and against the eager step (other kernels: reported);
@@ -21,27 +24,53 @@ cost). On the first shape it checks:
 
 Then for every shape: tokens/s of the Engine at 1, 16, 64 and 256 streams
 (40-token prompt, 128 new tokens, EOS ignored, prefix cache off so no stream
-reuses another's prompt), beside HF generate eager (batch 1), HF generate with
-a static cache (which transformers compiles with torch.compile on CUDA;
-batch 1) and transformers' continuous batching (`generate_batch`, at the
-largest stream count) in the same run; and the first-token times of 64
-requests arriving at once on the 1B shape; and one stream through the eager
-decode step, for what the graphs gain. It ends with the issue's goals, met
-or not. Each engine's start prints its choices: the fused elementwise
+reuses another's prompt); the first-token times of 64 requests arriving at
+once on the 1B shape; one stream through the eager decode step, for what the
+graphs gain. Beside them HF's anchors, each in a process of its own
+(bench/gpu_anchors.py), never in the engine's (in one device run in nine the
+engine failed with a CUDA "unspecified launch failure" at 256 streams in a
+process where HF's compiled static-cache generate had run before): HF
+generate with a static cache (which transformers compiles with torch.compile
+on CUDA; batch 1), transformers' continuous batching (`generate_batch`, at
+the largest stream count, called outside inference mode: its manager's
+thread updates tensors the caller made, and every request is checked whole)
+and HF generate eager (batch 1). An anchor's process builds the same model
+from the shape and the seed, prints its pid (each row says it is not the
+engine's) and leaves its figure as JSON; its crash or its timeout fails its
+section with the process's stderr, and the run goes on. The anchors run once
+this process has freed the shape's model. It ends with the issue's goals,
+met or not. Each engine's start prints its choices: the fused elementwise
 kernels, the decode attention (both timed), the graphs captured (time and
 memory). `--decode` and `--attention` force a path for a second run, as
 FENCEPOST_FUSED=off leaves the fused kernels out.
 
-Every loop is bounded (steps and a deadline); `--budget-s` skips what would
-not fit and says so; each section prints its own traceback when it fails
-and the rest still runs. The same script runs on CPU with tiny shapes (the
-test suite does: tests/bench/test_gpu_check.py).
+`--repeat N` runs the engine's largest stream count (256 by default) of one
+shape (`--repeat-shape`, the first) N more times, each in a fresh process
+(this script's `--engine-part`), after the shapes: a fault is a nonzero
+exit, a timeout or an error raised, and each is reported with its run's
+index and the stage the process had begun (build, or the batch itself),
+with its stderr; "repeat: k/N runs faulted" closes the run, and a fault
+fails it. (FENCEPOST_GPU_CHECK_FAULT=i makes run i raise, for the tests.)
+`--sanitize` runs that batch once more, 8 tokens, under compute-sanitizer's
+memcheck (on PATH or in /usr/local/cuda*/bin), and reports its ERROR
+SUMMARY; without CUDA or without the tool it says so and skips.
+
+Every loop is bounded (steps and a deadline) and every child process by a
+timeout (the cap of CHILD_S, or the budget left, the lesser); `--budget-s`
+skips what would not fit and says so; each section prints its own traceback
+when it fails and the rest still runs. The correctness checks take at most
+90 s of the budget; --repeat keeps N x 20 s of it on CUDA (at most 40%) from
+the shapes, --sanitize 240 s (at most 30%); the shapes share the rest, each
+shape's engine at most half of its share, its anchors the remainder. The
+same script runs on CPU with tiny shapes (the test suite does:
+tests/bench/test_gpu_check.py).
 
 What it imports: torch, transformers and the engine's path through the
 project (core.protocol uses msgspec; adapters/engine/engine.py imports
 llguidance through grammar.py). The device image has torch and transformers
-but neither msgspec nor llguidance, so the run carries their wheels. Here,
-once, in the repository root (.gitignore ignores `.whl/`):
+but neither msgspec nor llguidance, so the run carries their wheels,
+msgspec==0.23.0 and llguidance==1.9.1. Here, once, in the repository root
+(.gitignore ignores `.whl/`):
 
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux_2_31_x86_64 \
@@ -50,22 +79,34 @@ once, in the repository root (.gitignore ignores `.whl/`):
 
 (3.3 MB together). No tokenizer and no weights travel: random weights make
 any token ids as good as a real prompt's, so the prompts are fixed ids.
-Then the device run (`run` tool), carry [".whl"], timeout_s 420:
+Then the whole device run, one command (`run` tool), carry [".whl"],
+timeout_s 510:
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD \
-      || exit; PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --budget-s 270 \
-      2>&1 | tee $OUT/gpu_check.log
+      || exit; PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --budget-s 420 \
+      --repeat 10 2>&1 | tee $OUT/gpu_check.log
 
-Each shape's parts run goal-first (batch 1, compiled HF, the burst, the
-largest batch, generate_batch; then the middle stream counts and eager HF),
-so a short budget drops the least needed. Parts that did not fit print as
-skipped; with device time left, a second call measures them, e.g. the same
-command with `--shapes 8b --skip checks --budget-s 200`.
+About 7.5 minutes with the install (a session has 15 minutes of device time,
+the machine's start included); an estimate, not yet a device's measurement.
+Of the 420 s: the checks up to 90; the ten repeats 168 (a run starts while
+20 s are left: about 17 s a fresh process fits all ten, slower ones leave
+the last as not run, unless the shapes left time over); the five shapes the
+rest, about 30 s each: each shape's engine figures, not most of HF's anchors
+(torch.compile's first call alone is about a minute). So this run answers
+the fault question and the engine's figures; a second session measures the
+anchors, e.g. the same command with `--shapes 135m,1b,8b --skip checks` in
+place of `--repeat 10` (140 s a shape). Each shape's parts run goal-first
+(the engine: batch 1, the burst, the largest batch, then the middle stream
+counts and the eager step; the anchors: compiled HF, generate_batch, then
+eager HF), so a short budget drops the least needed, and what did not fit
+prints as skipped. The sanitizer: `--shapes 135m --skip checks,speed
+--sanitize --budget-s 300` (timeout_s 360); the mixture, on an H200:
+`--shapes qwen3-30b-a3b --skip checks`.
 
-On CPU, in a few seconds:
+On CPU, in about a minute:
 
-    python bench/gpu_check.py --device cpu --shapes tiny --tokens 8 --streams 1,4
+    python bench/gpu_check.py --device cpu --shapes tiny,tiny-moe --tokens 8 --streams 1,4
 """
 
 from __future__ import annotations
@@ -542,7 +583,7 @@ def anchor(
         raise ChildFault(f"the {kind} anchor's process: {child.fault}\n{child.tail()}")
     pid, rate = int(child.result["pid"]), float(child.result["rate"])
     print(f"  (measured in process {pid}, not the engine's {os.getpid()})")
-    results.anchor_pids[kind] = pid
+    results.anchor_pids[(key, kind)] = pid
     results.rates[(key, ANCHOR_ROWS[kind][2].format(n=n))] = rate
     return f"{rate:,.1f}"
 
@@ -566,7 +607,8 @@ class Results:
     checks: list[tuple[str, int, int, bool]] = dataclasses.field(default_factory=list)
     first_token_p50_s: float | None = None
     first_token_shape: str = ""
-    anchor_pids: dict[str, int] = dataclasses.field(default_factory=dict)  # anchor: its pid
+    # (shape, anchor) -> the pid of the process that measured it
+    anchor_pids: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
     summary: list[str] = dataclasses.field(default_factory=list)  # the last lines: repeat, ...
 
 
