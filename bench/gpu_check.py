@@ -955,13 +955,13 @@ def sanitize(
     with section(
         f"sanitize: memcheck, {name} shape, {top} streams, {SANITIZE_TOKENS} tokens", failures
     ):
-        tool = sanitizer()
-        why = (
-            "not a CUDA device" if not setting.cuda
-            else "no compute-sanitizer, neither on PATH nor in /usr/local/cuda*/bin"
-            if tool is None
-            else None if budget.allows(need_s, "the sanitizer's run") else "no budget left"
-        )  # fmt: skip
+        tool, why = sanitizer(), None
+        if not setting.cuda:
+            why = "not a CUDA device"
+        elif tool is None:
+            why = "no compute-sanitizer, neither on PATH nor in /usr/local/cuda*/bin"
+        elif not budget.allows(need_s, "the sanitizer's run"):
+            why = "no budget left"
         if why is not None or tool is None:
             results.summary.append(f"sanitize: skipped ({why})")
             print(f"  {results.summary[-1]}")
