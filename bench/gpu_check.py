@@ -1,15 +1,18 @@
-"""The device check of issue 13: correctness and speed of the engine on one GPU, in one run.
+"""The device check of issues 13 and 52: correctness and speed of the engine on one GPU, in one run.
 
-Builds random-weight models of real shapes on the device (no download):
-SmolLM2-135M, Llama-3.2-1B and Llama-3-8B, and of two other families, Qwen3-8B
-(per-head q/k norms, head size 128) and Gemma-3-4B (1 + w norms before and
-after each sublayer, a tanh-GELU gate, five windowed layers in six with their
-own rotary base, head size 256), and a mixture of experts, Qwen3-30B-A3B (128
-experts, 8 a token; `--shapes qwen3-30b-a3b`, not in the default list: 61 GB
-of bf16 to build) (SHAPES below; plain rotary frequencies, which change no
+Builds random-weight models of real shapes on the device (no download;
+bench/gpu_shapes.py): SmolLM2-135M, Llama-3.2-1B and Llama-3-8B, and of two
+other families, Qwen3-8B (per-head q/k norms, head size 128) and Gemma-3-4B
+(1 + w norms before and after each sublayer, a tanh-GELU gate, five windowed
+layers in six with their own rotary base, head size 256); and a mixture of
+experts, Qwen3-30B-A3B (128 experts, 8 a token, 61 GB of bf16), which joins
+the default list on a device of at least 100 GiB (the run's second line says
+whether it joined and why) and whose engine runs at 1 and 64 streams, where
+the experts' rows are grouped (plain rotary frequencies, which change no
 cost). On the first shape it checks:
 
-- fp32 greedy of our Engine equals HF `generate` over 64 tokens, 4 prompts;
+- fp32 greedy of our Engine equals HF `generate` over 64 tokens, 4 prompts
+  (eager HF, the one HF call left in this process: the check's reference);
 - decode paths, bf16 greedy, 4 prompts together: the CUDA graphs' replay
   against the same fixed-shape step run without capture (the same kernels:
   must be equal), and against the eager step (other kernels: reported);
@@ -21,27 +24,53 @@ cost). On the first shape it checks:
 
 Then for every shape: tokens/s of the Engine at 1, 16, 64 and 256 streams
 (40-token prompt, 128 new tokens, EOS ignored, prefix cache off so no stream
-reuses another's prompt), beside HF generate eager (batch 1), HF generate with
-a static cache (which transformers compiles with torch.compile on CUDA;
-batch 1) and transformers' continuous batching (`generate_batch`, at the
-largest stream count) in the same run; and the first-token times of 64
-requests arriving at once on the 1B shape; and one stream through the eager
-decode step, for what the graphs gain. It ends with the issue's goals, met
-or not. Each engine's start prints its choices: the fused elementwise
+reuses another's prompt); the first-token times of 64 requests arriving at
+once on the 1B shape; one stream through the eager decode step, for what the
+graphs gain. Beside them HF's anchors, each in a process of its own
+(bench/gpu_anchors.py), never in the engine's (in one device run in nine the
+engine failed with a CUDA "unspecified launch failure" at 256 streams in a
+process where HF's compiled static-cache generate had run before): HF
+generate with a static cache (which transformers compiles with torch.compile
+on CUDA; batch 1), transformers' continuous batching (`generate_batch`, at
+the largest stream count, called outside inference mode: its manager's
+thread updates tensors the caller made, and every request is checked whole)
+and HF generate eager (batch 1). An anchor's process builds the same model
+from the shape and the seed, prints its pid (each row says it is not the
+engine's) and leaves its figure as JSON; its crash or its timeout fails its
+section with the process's stderr, and the run goes on. The anchors run once
+this process has freed the shape's model. It ends with the issue's goals,
+met or not. Each engine's start prints its choices: the fused elementwise
 kernels, the decode attention (both timed), the graphs captured (time and
 memory). `--decode` and `--attention` force a path for a second run, as
 FENCEPOST_FUSED=off leaves the fused kernels out.
 
-Every loop is bounded (steps and a deadline); `--budget-s` skips what would
-not fit and says so; each section prints its own traceback when it fails
-and the rest still runs. The same script runs on CPU with tiny shapes (the
-test suite does: tests/bench/test_gpu_check.py).
+`--repeat N` runs the engine's largest stream count (256 by default) of one
+shape (`--repeat-shape`, the first) N more times, each in a fresh process
+(this script's `--engine-part`), after the shapes: a fault is a nonzero
+exit, a timeout or an error raised, and each is reported with its run's
+index and the stage the process had begun (build, or the batch itself),
+with its stderr; "repeat: k/N runs faulted" closes the run, and a fault
+fails it. (FENCEPOST_GPU_CHECK_FAULT=i makes run i raise, for the tests.)
+`--sanitize` runs that batch once more, 8 tokens, under compute-sanitizer's
+memcheck (on PATH or in /usr/local/cuda*/bin), and reports its ERROR
+SUMMARY; without CUDA or without the tool it says so and skips.
+
+Every loop is bounded (steps and a deadline) and every child process by a
+timeout (the cap of CHILD_S, or the budget left, the lesser); `--budget-s`
+skips what would not fit and says so; each section prints its own traceback
+when it fails and the rest still runs. The correctness checks take at most
+90 s of the budget; --repeat keeps N x 20 s of it on CUDA (at most 40%) from
+the shapes, --sanitize 240 s (at most 30%); the shapes share the rest, each
+shape's engine at most half of its share, its anchors the remainder. The
+same script runs on CPU with tiny shapes (the test suite does:
+tests/bench/test_gpu_check.py).
 
 What it imports: torch, transformers and the engine's path through the
 project (core.protocol uses msgspec; adapters/engine/engine.py imports
 llguidance through grammar.py). The device image has torch and transformers
-but neither msgspec nor llguidance, so the run carries their wheels. Here,
-once, in the repository root (.gitignore ignores `.whl/`):
+but neither msgspec nor llguidance, so the run carries their wheels,
+msgspec==0.23.0 and llguidance==1.9.1. Here, once, in the repository root
+(.gitignore ignores `.whl/`):
 
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux_2_31_x86_64 \
@@ -50,22 +79,34 @@ once, in the repository root (.gitignore ignores `.whl/`):
 
 (3.3 MB together). No tokenizer and no weights travel: random weights make
 any token ids as good as a real prompt's, so the prompts are fixed ids.
-Then the device run (`run` tool), carry [".whl"], timeout_s 420:
+Then the whole device run, one command (`run` tool), carry [".whl"],
+timeout_s 510:
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD \
-      || exit; PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --budget-s 270 \
-      2>&1 | tee $OUT/gpu_check.log
+      || exit; PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --budget-s 420 \
+      --repeat 10 2>&1 | tee $OUT/gpu_check.log
 
-Each shape's parts run goal-first (batch 1, compiled HF, the burst, the
-largest batch, generate_batch; then the middle stream counts and eager HF),
-so a short budget drops the least needed. Parts that did not fit print as
-skipped; with device time left, a second call measures them, e.g. the same
-command with `--shapes 8b --skip checks --budget-s 200`.
+About 7.5 minutes with the install (a session has 15 minutes of device time,
+the machine's start included); an estimate, not yet a device's measurement.
+Of the 420 s: the checks up to 90; the ten repeats 168 (a run starts while
+20 s are left: about 17 s a fresh process fits all ten, slower ones leave
+the last as not run, unless the shapes left time over); the five shapes the
+rest, about 30 s each: each shape's engine figures, not most of HF's anchors
+(torch.compile's first call alone is about a minute). So this run answers
+the fault question and the engine's figures; a second session measures the
+anchors, e.g. the same command with `--shapes 135m,1b,8b --skip checks` in
+place of `--repeat 10` (140 s a shape). Each shape's parts run goal-first
+(the engine: batch 1, the burst, the largest batch, then the middle stream
+counts and the eager step; the anchors: compiled HF, generate_batch, then
+eager HF), so a short budget drops the least needed, and what did not fit
+prints as skipped. The sanitizer: `--shapes 135m --skip checks,speed
+--sanitize --budget-s 300` (timeout_s 360); the mixture, on an H200:
+`--shapes qwen3-30b-a3b --skip checks`.
 
-On CPU, in a few seconds:
+On CPU, in about a minute:
 
-    python bench/gpu_check.py --device cpu --shapes tiny --tokens 8 --streams 1,4
+    python bench/gpu_check.py --device cpu --shapes tiny,tiny-moe --tokens 8 --streams 1,4
 """
 
 from __future__ import annotations
@@ -73,15 +114,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import math
+import json
 import os
+import re
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
-import threading
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -93,51 +138,14 @@ import torch
 from adapters.engine.engine import DECODE_PATHS, Engine
 from adapters.engine.model import LoadedModel
 from adapters.engine.paged_attention import ATTENTIONS
-from bench.measure import hf_generate_rate, memory_bandwidth_gbs, sync
+from bench.gpu_shapes import PROMPT_TOKENS, prompts
+from bench.gpu_shapes import SHAPES as SHAPES  # bench/kernel_build.py takes these three from here
+from bench.gpu_shapes import Shape as Shape
+from bench.gpu_shapes import build_model as build_model
+from bench.measure import memory_bandwidth_gbs, sync
 from core.batching import BatchLimits
 from core.protocol import Assignment, Decoded, DecodeDone, GenerationRequest, Sampling
 
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    name: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    rope_theta: float
-    tie_word_embeddings: bool
-    max_position: int = 4096
-    config: str = "LlamaConfig"  # the family's transformers config class
-    extra: tuple[tuple[str, Any], ...] = ()  # its own fields (head_dim, windows, ...)
-
-
-SHAPES = {
-    "135m": Shape("SmolLM2-135M", 576, 30, 9, 3, 1536, 49152, 100000.0, True),
-    "1b": Shape("Llama-3.2-1B", 2048, 16, 32, 8, 8192, 128256, 500000.0, True),
-    "8b": Shape("Llama-3-8B", 4096, 32, 32, 8, 14336, 128256, 500000.0, False),
-    "qwen3-8b": Shape("Qwen3-8B", 4096, 36, 32, 8, 12288, 151936, 1000000.0, False,
-                      config="Qwen3Config", extra=(("head_dim", 128),)),
-    "gemma3-4b": Shape("Gemma-3-4B", 2560, 34, 8, 4, 10240, 262208, 1000000.0, True,
-                       config="Gemma3TextConfig",
-                       extra=(("head_dim", 256), ("query_pre_attn_scalar", 256),
-                              ("sliding_window", 1024), ("rope_local_base_freq", 10000.0))),
-    # A mixture: 128 experts of width 768, 8 a token (30.5B weights, 3.3B read a token).
-    "qwen3-30b-a3b": Shape("Qwen3-30B-A3B", 2048, 48, 32, 4, 6144, 151936, 1000000.0, False,
-                           config="Qwen3MoeConfig",
-                           extra=(("head_dim", 128), ("num_experts", 128),
-                                  ("num_experts_per_tok", 8), ("moe_intermediate_size", 768),
-                                  ("norm_topk_prob", True))),
-    "tiny": Shape("tiny", 64, 2, 4, 2, 128, 49152, 10000.0, True),
-    "tiny-moe": Shape("tiny-moe", 64, 2, 4, 2, 128, 49152, 10000.0, True,
-                      config="Qwen3MoeConfig",
-                      extra=(("head_dim", 16), ("num_experts", 8), ("num_experts_per_tok", 2),
-                             ("moe_intermediate_size", 32), ("norm_topk_prob", True))),
-}  # fmt: skip
-SCALES = {"q_proj": 2.0, "k_proj": 2.0, "o_proj": 0.5, "down_proj": 0.5}  # build_model says why
-PROMPT_TOKENS = 40
 CHECK_TOKENS = 64
 CUTS = (1, 17, 45)
 CHECK_PROMPTS = 4
@@ -147,8 +155,32 @@ BURST = 64  # requests arriving at once for the first-token figure
 # Of the budget, the correctness checks take at most this; the shapes share the rest.
 CHECKS_SHARE_S = 90.0
 STEP_LIMIT = 100_000  # no engine loop runs longer than this many steps, whatever else
-ABANDONED: list[threading.Thread] = []  # calls given up on (generate_batch_rate)
-PARTS = ("checks", "compile", "eager", "generate_batch", "burst")  # what --skip can leave out
+# What --skip can leave out; "speed" is every shape's speed part, the engine's and HF's.
+PARTS = ("checks", "speed", "compile", "eager", "generate_batch", "burst")
+DEFAULT_SHAPES = ("135m", "1b", "8b", "qwen3-8b", "gemma3-4b")
+# The mixture joins the default list on a device of at least this much memory: 61 GB of
+# bf16 weights, built by this process for its engine and again by each HF anchor's.
+MIXTURE, MIXTURE_GIB = "qwen3-30b-a3b", 100.0
+# A child process: (seconds the budget must have left to start it, its timeout's cap),
+# on CUDA and on CPU. Its timeout is the cap or what the budget has left, the lesser.
+CHILD_S = {
+    "compiled": ((75, 150), (5, 120)),  # torch.compile's first call on CUDA
+    "generate_batch": ((30, 120), (5, 120)),
+    "eager": ((10, 60), (5, 120)),
+    "repeat": ((20, 120), (5, 120)),  # a fresh engine: capture, warm-up, the largest batch
+    "sanitize": ((60, 240), (5, 120)),  # memcheck runs kernels many times slower
+}
+# Of a shape's share of the budget, its engine's parts take at most this; HF's anchors,
+# after them, what is left.
+ENGINE_SHARE = 0.5
+# The budget kept from the shapes for --repeat's runs (N times a run's need, at most
+# this share) and --sanitize's (its cap, at most this share).
+REPEAT_SHARE = 0.4
+SANITIZE_SHARE = 0.3
+SANITIZE_TOKENS = 8  # the sanitizer's run is short: its kernels run many times slower
+# Test-only: a --repeat run whose index (1-based) this names fails on purpose.
+FAULT_ENV = "FENCEPOST_GPU_CHECK_FAULT"
+STAGE = "stage: "  # how an engine-part child marks its progress (a fault names the last)
 
 
 # --- time ---
@@ -177,72 +209,100 @@ class Budget:
 
 @contextmanager
 def section(name: str, failures: list[str]) -> Iterator[None]:
-    """A part of the check: its failure prints a traceback and the run goes on."""
+    """A part of the check: its failure prints a traceback (a child's: its own
+    output) and the run goes on."""
     print(f"\n== {name}", flush=True)
     began = time.perf_counter()
     try:
         yield
+    except ChildFault as fault:
+        print(f"  FAILED: {fault}")
+        failures.append(name)
     except Exception:
         traceback.print_exc(file=sys.stdout)
         failures.append(name)
     print(f"  ({time.perf_counter() - began:.1f} s)", flush=True)
 
 
+# --- child processes ---
+
+
+class ChildFault(Exception):
+    """A child process that crashed, hung or raised: its section fails, the run goes on."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Child:
+    """What a child process left: its exit, its output and the JSON it wrote."""
+
+    code: int | None  # None: killed at its timeout
+    seconds: float
+    stdout: str
+    stderr: str
+    result: dict[str, Any] | None
+
+    @property
+    def fault(self) -> str | None:
+        """Why this run counts as a fault, or None."""
+        if self.code is None:
+            return f"timed out after {self.seconds:.0f} s, killed"
+        if self.code < 0:
+            return f"killed by {signal.Signals(-self.code).name}"
+        if self.code != 0:
+            return f"exit status {self.code}"
+        if self.result is None:
+            return "exited 0 without writing its result"
+        return None
+
+    @property
+    def stage(self) -> str:
+        """The last stage an engine-part child said it began (its output's STAGE lines)."""
+        stages = [ln[len(STAGE) :] for ln in self.stdout.splitlines() if ln.startswith(STAGE)]
+        return stages[-1] if stages else "before its first stage"
+
+    def tail(self, chars: int = 2500) -> str:
+        """The end of its stderr (of its stdout where stderr is empty), indented."""
+        text = (self.stderr.strip() or self.stdout.strip())[-chars:]
+        return "\n".join(f"    | {line}" for line in text.splitlines())
+
+
+def run_child(command: list[str], timeout_s: float, env: dict[str, str] | None = None) -> Child:
+    """Run `command --result FILE` in a process group of its own, bounded by timeout_s
+    (the whole group is killed then: a tool's own children included), and read the
+    JSON it left in FILE."""
+    with tempfile.TemporaryDirectory(prefix="gpu_check-") as folder:
+        path = Path(folder) / "result.json"
+        began = time.perf_counter()
+        process = subprocess.Popen(
+            [*command, "--result", str(path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},  # a kill keeps its lines
+            start_new_session=True,
+        )
+        code: int | None
+        try:
+            out, err = process.communicate(timeout=max(1.0, timeout_s))
+            code = process.returncode
+        except subprocess.TimeoutExpired:
+            with suppress(ProcessLookupError):  # it ended on its own meanwhile
+                os.killpg(process.pid, signal.SIGKILL)
+            out, err = process.communicate()
+            code = None
+        seconds = time.perf_counter() - began
+        result = json.loads(path.read_text()) if code == 0 and path.exists() else None
+    return Child(code, seconds, out, err, result)
+
+
+def child_s(kind: str, cuda: bool) -> tuple[float, float]:
+    """(seconds needed to start it, its timeout's cap) of a child of this kind."""
+    on_cuda, on_cpu = CHILD_S[kind]
+    return on_cuda if cuda else on_cpu
+
+
 # --- models ---
-
-
-def build_model(shape: Shape, device: torch.device, dtype: torch.dtype, seed: int) -> Any:
-    """A model of this shape and family, built on the device, with seeded weights.
-
-    Scales, N(0, scale / fan_in): q and k 2 (attention scores spread by about
-    4, so a head looks at a few positions, not at their mean), o and down 0.5,
-    the rest 1; norms 1; the embedding (tied or not, also the output matrix)
-    3/sqrt(hidden), so logits spread by about 3: neither flat (ties
-    everywhere) nor one-hot (sampling would never vary). With plain 1/fan_in
-    scales (and with GPT-2's residual scaling), attention averaged the
-    context, the model's state forgot its input, and greedy output repeated
-    one token from the first or second on; with these the 135M shape's
-    greedy output changes at every token (measured on CPU)."""
-    import transformers
-
-    config = getattr(transformers, shape.config)(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        max_position_embeddings=shape.max_position,
-        rms_norm_eps=1e-5,
-        rope_theta=shape.rope_theta,
-        tie_word_embeddings=shape.tie_word_embeddings,
-        bos_token_id=None,
-        eos_token_id=None,  # nothing stops early: every run makes all its tokens
-        pad_token_id=0,
-        **dict(shape.extra),
-    )
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = transformers.AutoModelForCausalLM.from_config(config)
-    finally:
-        torch.set_default_dtype(before)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.ndim == 1:
-                param.fill_(1.0)
-            elif "embed_tokens" in name or "lm_head" in name:
-                param.normal_(0.0, 3.0 / math.sqrt(shape.hidden), generator=generator)
-            else:  # [out, in], or a mixture's experts stacked: [experts, out, in]
-                kind = name.split(".")[-1 if param.ndim == 3 else -2]
-                scale = SCALES.get(kind, 1.0) / math.sqrt(param.shape[-1])
-                param.normal_(0.0, scale, generator=generator)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    model.eval()  # type: ignore[no-untyped-call]
-    return model
 
 
 def loaded(model: Any, shape: Shape) -> LoadedModel:
@@ -250,19 +310,6 @@ def loaded(model: Any, shape: Shape) -> LoadedModel:
     return LoadedModel.from_model(
         model, None, shape.name, frozenset(), shape.max_position, "random"
     )
-
-
-def prompts(count: int) -> list[tuple[int, ...]]:
-    """`count` distinct prompts of exactly PROMPT_TOKENS token ids (a chat prompt's
-    opening ids, then filler; any ids serve a random-weight model)."""
-    out = []
-    for i in range(count):
-        ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28]
-        ids = [*ids, 1000 + i, *(30 + (i + j) % 200 for j in range(PROMPT_TOKENS))]
-        ids = ids[:PROMPT_TOKENS]
-        ids[-3] = 100 + i % 20000  # every prompt distinct
-        out.append(tuple(ids))
-    return out
 
 
 # --- driving the engine ---
@@ -487,52 +534,58 @@ def check_decode_paths(
 # --- speed ---
 
 
-def hf_rate(model: Any, prompt: tuple[int, ...], tokens: int, cap_s: float, **kw: Any) -> float:
-    """HF generate tokens/s at batch 1 (bench/measure.py), with the warm-up's
-    time printed: that first call is where a static cache compiles."""
-    rate, warm_s = hf_generate_rate(model, prompt, tokens, cap_s=cap_s, **kw)
-    print(f"    (first call, warm-up{' and compile' if kw else ''}: {warm_s:.1f} s)")
-    return rate
+ANCHORS = Path(__file__).resolve().parent / "gpu_anchors.py"
+# Each anchor: its --skip part, its table row (n: the requests) and its Results key.
+ANCHOR_ROWS = {
+    "compiled": ("compile", "HF generate, static cache + compile, batch 1", "hf compiled"),
+    "generate_batch": ("generate_batch", "transformers generate_batch, {n} requests",
+                       "generate_batch {n}"),
+    "eager": ("eager", "HF generate, eager, batch 1", "hf eager"),
+}  # fmt: skip
 
 
-def generate_batch_rate(
-    model: Any, plist: list[tuple[int, ...]], tokens: int, timeout_s: float
-) -> float:
-    """transformers' continuous batching: every prompt at once, tokens/s over the call.
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """What every child process is told of the run (main sets it from the arguments)."""
 
-    Its manager runs on threads of its own, and a broken one can leave the call
-    waiting for ever, so the call runs on a daemon thread of ours, given up on
-    after timeout_s (main then ends the process without waiting for it)."""
-    from transformers import GenerationConfig
+    device: torch.device
+    tokens: int
+    seed: int
+    threads: int | None
+    decode: str = "auto"
+    attention: str = "auto"
 
-    config = GenerationConfig(  # type: ignore[no-untyped-call]
-        max_new_tokens=tokens, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    box: dict[str, Any] = {}
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
 
-    def call() -> None:
-        try:
-            with torch.inference_mode():
-                box["results"] = model.generate_batch(
-                    inputs=[list(p) for p in plist], generation_config=config, progress_bar=False
-                )
-            sync(next(model.parameters()).device)
-        except BaseException as error:
-            box["error"] = error
+    def common(self) -> list[str]:
+        threads = [] if self.threads is None else ["--threads", str(self.threads)]
+        return ["--device", str(self.device), "--seed", str(self.seed), *threads]
 
-    began = time.perf_counter()
-    worker = threading.Thread(target=call, name="generate_batch", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    elapsed = time.perf_counter() - began
-    if worker.is_alive():
-        ABANDONED.append(worker)
-        raise TimeoutError(f"generate_batch did not return in {timeout_s:.0f} s; left behind")
-    if "error" in box:
-        raise box["error"]
-    results = box["results"]
-    produced = sum(len(r.generated_tokens) for r in results.values())
-    return produced / elapsed
+
+def anchor(
+    kind: str, key: str, n: int, setting: Setting, budget: Budget, results: Results
+) -> str | None:
+    """One HF anchor in a process of its own (bench/gpu_anchors.py), never this one: it
+    builds the same model from the shape and the seed. Its table value, or None where
+    the budget left no room; a crash or a timeout raises ChildFault with its stderr."""
+    need_s, cap_s = child_s(kind, setting.cuda)
+    if not budget.allows(need_s, ANCHOR_ROWS[kind][1].format(n=n)):
+        return None
+    command = [sys.executable, str(ANCHORS), "--anchor", kind, "--shape", key]
+    command += ["--tokens", str(setting.tokens), "--streams", str(n), *setting.common()]
+    command += ["--cap-s", f"{min(20.0, budget.left()):.0f}"]
+    child = run_child(command, min(cap_s, budget.left()))
+    for line in child.stdout.splitlines():
+        print(line)
+    if child.fault is not None or child.result is None:
+        raise ChildFault(f"the {kind} anchor's process: {child.fault}\n{child.tail()}")
+    pid, rate = int(child.result["pid"]), float(child.result["rate"])
+    print(f"  (measured in process {pid}, not the engine's {os.getpid()})")
+    results.anchor_pids[(key, kind)] = pid
+    results.rates[(key, ANCHOR_ROWS[kind][2].format(n=n))] = rate
+    return f"{rate:,.1f}"
 
 
 def weight_bytes(model: Any) -> int:
@@ -554,6 +607,9 @@ class Results:
     checks: list[tuple[str, int, int, bool]] = dataclasses.field(default_factory=list)
     first_token_p50_s: float | None = None
     first_token_shape: str = ""
+    # (shape, anchor) -> the pid of the process that measured it
+    anchor_pids: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)
+    summary: list[str] = dataclasses.field(default_factory=list)  # the last lines: repeat, ...
 
 
 def correctness(
@@ -625,9 +681,6 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-HF_EAGER_TOKENS = 32  # eager HF is host-bound: its rate per token is flat, 32 tell it
-
-
 @dataclasses.dataclass
 class ShapeRun:
     """One shape's model, engine and figures; each method is one part of its speed check."""
@@ -639,7 +692,7 @@ class ShapeRun:
     tokens: int
     budget: Budget
     results: Results
-    table: dict[str, str] = dataclasses.field(default_factory=dict)
+    table: dict[str, str]
 
     @property
     def cuda(self) -> bool:
@@ -674,35 +727,6 @@ class ShapeRun:
         self.table[label] = f"{rate:,.1f}{cut} (step {step * 1e3:.1f} ms)"
         return rate
 
-    def hf_compiled(self) -> None:
-        if self.budget.allows(75 if self.cuda else 5, "HF static cache + torch.compile"):
-            cap = min(20, self.budget.left())
-            rate = hf_rate(
-                self.model, self.plist[0], self.tokens, cap, cache_implementation="static"
-            )
-            compiled = getattr(self.model, "_compiled_call", None) is not None
-            print(f"  {rate:,.1f} tok/s (transformers compiled the forward: {compiled})")
-            self.results.rates[(self.key, "hf compiled")] = rate
-            self.table["HF generate, static cache + compile, batch 1"] = f"{rate:,.1f}"
-
-    def hf_eager(self) -> None:
-        if self.budget.allows(10, "HF generate eager"):
-            tokens = min(self.tokens, HF_EAGER_TOKENS)
-            rate = hf_rate(self.model, self.plist[0], tokens, min(20, self.budget.left()))
-            print(f"  {rate:,.1f} tok/s over {tokens} tokens")
-            self.results.rates[(self.key, "hf eager")] = rate
-            self.table["HF generate, eager, batch 1"] = f"{rate:,.1f}"
-
-    def generate_batch(self, n: int) -> None:
-        if not hasattr(self.model, "generate_batch"):
-            print("  this transformers has no generate_batch")
-        elif self.budget.allows(30 if self.cuda else 5, f"generate_batch at {n}"):
-            timeout = max(30.0, self.budget.left())
-            rate = generate_batch_rate(self.model, self.plist[:n], self.tokens, timeout)
-            print(f"  {n} requests: {rate:,.1f} tok/s")
-            self.results.rates[(self.key, f"generate_batch {n}")] = rate
-            self.table[f"transformers generate_batch, {n} requests"] = f"{rate:,.1f}"
-
     def burst(self) -> None:
         if not self.budget.allows(5, "the first-token burst"):
             return
@@ -719,14 +743,15 @@ class ShapeRun:
         self.results.first_token_shape = SHAPES[self.key].name
         self.table[f"first token p50, {BURST} at once (ms)"] = f"{p50 * 1e3:.1f}"
 
-    def print_table(self) -> None:
-        name = SHAPES[self.key].name
-        print(f"\n{name} shape ({self.tokens} new tokens, {PROMPT_TOKENS}-token prompts), tok/s:")
-        width = max((len(label) for label in self.table), default=10)
-        for label in sorted(self.table, key=_table_order):
-            print(f"  | {label:<{width}} | {self.table[label]:>24} |")
-        if any("*" in value for value in self.table.values()):
-            print("  (* cut at its deadline: the rate over the tokens made)")
+
+def print_table(key: str, tokens: int, table: dict[str, str]) -> None:
+    name = SHAPES[key].name
+    print(f"\n{name} shape ({tokens} new tokens, {PROMPT_TOKENS}-token prompts), tok/s:")
+    width = max((len(label) for label in table), default=10)
+    for label in sorted(table, key=_table_order):
+        print(f"  | {label:<{width}} | {table[label]:>24} |")
+    if any("*" in value for value in table.values()):
+        print("  (* cut at its deadline: the rate over the tokens made)")
 
 
 def _table_order(label: str) -> tuple[int, int]:
@@ -762,62 +787,217 @@ def build_run(
     return model, engine
 
 
+def shape_streams(key: str, streams: list[int]) -> list[int]:
+    """The engine's stream counts for this shape: its own where it names them."""
+    return sorted(SHAPES[key].streams) or streams
+
+
 def speed(
     key: str,
-    device: torch.device,
+    setting: Setting,
     streams: list[int],
-    tokens: int,
     budget: Budget,
     results: Results,
     failures: list[str],
-    seed: int,
     burst: bool,
     skip: set[str],
 ) -> None:
-    """One shape's figures, those the goals need first, so a short budget drops the rest."""
-    name = SHAPES[key].name
-    most = max([*streams, BURST if burst else 1])
-    run = model = engine = None
+    """One shape's figures: the engine's in this process, then HF's anchors, each in a
+    process of its own, once this one has freed the shape's model (two copies of the
+    mixture's 61 GB need not fit). Of each, the parts the goals need first, so a short
+    budget drops the rest; the engine takes at most ENGINE_SHARE of the shape's budget."""
+    name, device, tokens = SHAPES[key].name, setting.device, setting.tokens
+    streams = shape_streams(key, streams)
+    top, middle = max(streams), [n for n in streams if 1 < n < max(streams)]
+    table: dict[str, str] = {}
+    engine_budget = Budget(budget.left() * ENGINE_SHARE)
+    run = None
     try:
         with section(f"speed, {name} shape: build", failures):
             if budget.allows(10, f"the {name} shape"):
-                model, engine = build_run(key, device, most, tokens, seed)
+                most = max([*streams, BURST if burst else 1])
+                model, engine = build_run(key, device, most, tokens, setting.seed)
                 plist = prompts(most)
-                run = ShapeRun(key, model, engine, plist, tokens, budget, results)
+                run = ShapeRun(key, model, engine, plist, tokens, engine_budget, results, table)
                 # what one row's step reads (of a mixture: the experts it picks)
                 bound = memory_bandwidth_gbs(device) * 1e9 / engine.runner.weight_bytes(rows=1)
-                run.table["batch-1 bandwidth bound"] = f"{bound:,.0f}"
-        if run is None:
-            return
-        # What the goals need first (batch 1 against compiled HF, the largest batch
-        # against generate_batch, the burst), then the rest of the table.
-        top, middle = max(streams), [n for n in streams if 1 < n < max(streams)]
+                table["batch-1 bandwidth bound"] = f"{bound:,.0f}"
+                del model, engine
         parts: list[tuple[str, Callable[[], None]]] = []
-        if 1 in streams:
-            parts += [("fencepost, 1 stream", functools.partial(run.fencepost, 1))]
-        if "compile" not in skip:
-            parts += [("HF generate, static cache + compile, batch 1", run.hf_compiled)]
-        if burst and "burst" not in skip:
-            parts += [(f"{BURST} requests arriving at once", run.burst)]
-        if top > 1:
-            parts += [(f"fencepost, {top} streams", functools.partial(run.fencepost, top))]
-        if "generate_batch" not in skip:
+        if run is not None:
+            if 1 in streams:
+                parts += [("fencepost, 1 stream", functools.partial(run.fencepost, 1))]
+            if burst and "burst" not in skip:
+                parts += [(f"{BURST} requests arriving at once", run.burst)]
+            if top > 1:
+                parts += [(f"fencepost, {top} streams", functools.partial(run.fencepost, top))]
             parts += [
-                (f"transformers generate_batch, {top}", functools.partial(run.generate_batch, top))
+                (f"fencepost, {n} streams", functools.partial(run.fencepost, n)) for n in middle
             ]
-        parts += [(f"fencepost, {n} streams", functools.partial(run.fencepost, n)) for n in middle]
-        if 1 in streams:
-            parts += [("fencepost, eager decode, 1 stream", run.fencepost_eager)]
-        if "eager" not in skip:
-            parts += [("HF generate, eager, batch 1", run.hf_eager)]
+            if 1 in streams:
+                parts += [("fencepost, eager decode, 1 stream", run.fencepost_eager)]
         for label, part in parts:
             with section(f"speed, {name} shape: {label}", failures):
                 part()
-    finally:
-        if run is not None:
-            run.print_table()
-        run = model = engine = None
+        run = None
         free(device)
+        # HF's anchors: compiled (batch 1's goal), generate_batch (the largest batch's), eager.
+        for kind, n in (("compiled", 1), ("generate_batch", top), ("eager", 1)):
+            skip_as, row, _ = ANCHOR_ROWS[kind]
+            if skip_as in skip:
+                continue
+            with section(f"speed, {name} shape: {row.format(n=n)}", failures):
+                value = anchor(kind, key, n, setting, budget, results)
+                if value is not None:
+                    table[row.format(n=n)] = value
+    finally:
+        run = None
+        free(device)
+        if table:
+            print_table(key, tokens, table)
+
+
+# --- one part again, alone in fresh processes: --repeat, --sanitize ---
+
+
+def part_command(
+    key: str, n: int, tokens: int, setting: Setting, index: int, cap_s: float
+) -> list[str]:
+    """This script for the engine's batch of n streams alone (--engine-part)."""
+    script = str(Path(__file__).resolve())
+    command = [sys.executable, script, "--engine-part", "--shapes", key, "--streams", str(n)]
+    command += ["--tokens", str(tokens), "--decode", setting.decode]
+    command += ["--attention", setting.attention, "--repeat-index", str(index)]
+    return [*command, "--budget-s", f"{cap_s:.0f}", *setting.common()]
+
+
+def engine_part(key: str, n: int, setting: Setting, index: int, cap_s: float, out: Path) -> int:
+    """--engine-part: one shape's engine, warmed up, then n streams at once, alone in this
+    process (a --repeat run, or the sanitizer's); its figure goes to `out` as JSON. It
+    says each stage it begins (STAGE lines), so a crash's report names where it was."""
+    print(f"{STAGE}start", flush=True)
+    print(f"  engine part alone in process {os.getpid()}, run {index}", flush=True)
+    if os.environ.get(FAULT_ENV) == str(index):
+        raise RuntimeError(f"{FAULT_ENV}={index}: the fault a test asked of run {index}")
+    print(f"{STAGE}build", flush=True)
+    began = time.perf_counter()
+    _model, engine = build_run(key, setting.device, n, setting.tokens, setting.seed)
+    print(f"{STAGE}fencepost, {n} streams", flush=True)
+    batch = [request(f"s{n}-{i}", p, setting.tokens) for i, p in enumerate(prompts(n))]
+    run = drive(engine, batch, began + cap_s)
+    sync(setting.device)
+    made = sum(len(v) for v in run.outputs.values())
+    result = {"pid": os.getpid(), "rate": made / run.seconds, "finished": run.finished}
+    out.write_text(json.dumps(result))
+    print(f"{STAGE}done", flush=True)
+    return 0
+
+
+def repeat(
+    key: str, runs: int, setting: Setting, streams: list[int], budget: Budget,
+    results: Results, failures: list[str],
+) -> None:  # fmt: skip
+    """--repeat: the engine's largest batch of one shape, `runs` times, each in a fresh
+    process; every fault (a nonzero exit, a timeout, an error raised) is reported with
+    its run's index and the stage it was in, and fails the check."""
+    name, top = SHAPES[key].name, max(shape_streams(key, streams))
+    need_s, cap_s = child_s("repeat", setting.cuda)
+    label = f"fencepost, {top} streams"
+    faults: list[str] = []
+    ran = 0
+    with section(f"repeat: {name} shape, {label}, {runs} fresh processes", failures):
+        for index in range(1, runs + 1):
+            if not budget.allows(need_s, f"repeat {index}/{runs}"):
+                break
+            timeout_s = min(cap_s, budget.left())
+            # its own deadline comes first: a run cut there is a figure, a kill is a fault
+            command = part_command(key, top, setting.tokens, setting, index, 0.8 * timeout_s)
+            child = run_child(command, timeout_s)
+            ran += 1
+            if child.fault is None and child.result is not None:
+                cut = "" if child.result["finished"] else ", cut at its deadline"
+                print(f"  repeat {index}/{runs}: {child.result['rate']:,.1f} tok/s{cut} "
+                      f"(process {child.result['pid']}, {child.seconds:.1f} s)")  # fmt: skip
+                continue
+            where = f"repeat {index}/{runs}, {name} shape: {label}, stage {child.stage}"
+            print(f"  FAULT in {where}: {child.fault}\n{child.tail()}")
+            faults.append(f"{where} ({child.fault})")
+            failures.append(f"repeat {index}/{runs}")
+        line = f"repeat: {len(faults)}/{ran} runs faulted"
+        if ran < runs:
+            line += f" ({runs - ran} of the {runs} asked not run: the budget)"
+        print(f"  {line}")
+        results.summary += [line, *(f"  faulted: {where}" for where in faults)]
+
+
+SANITIZER_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
+
+
+def sanitizer() -> str | None:
+    """compute-sanitizer's path: on PATH, else in a CUDA toolkit's usual place."""
+    found = shutil.which("compute-sanitizer")
+    folders = ["/usr/local/cuda/bin", *sorted(map(str, Path("/usr/local").glob("cuda-*/bin")))]
+    for candidate in [found, *(f"{folder}/compute-sanitizer" for folder in folders)]:
+        if candidate is not None and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def sanitize(
+    key: str, setting: Setting, streams: list[int], budget: Budget, results: Results,
+    failures: list[str],
+) -> None:  # fmt: skip
+    """--sanitize: one short run of the engine's largest batch under compute-sanitizer's
+    memcheck, in a process of its own; its error summary is the verdict. Without CUDA or
+    without the tool it says so and skips (no failure)."""
+    name, top = SHAPES[key].name, max(shape_streams(key, streams))
+    need_s, cap_s = child_s("sanitize", setting.cuda)
+    with section(
+        f"sanitize: memcheck, {name} shape, {top} streams, {SANITIZE_TOKENS} tokens", failures
+    ):
+        tool, why = sanitizer(), None
+        if not setting.cuda:
+            why = "not a CUDA device"
+        elif tool is None:
+            why = "no compute-sanitizer, neither on PATH nor in /usr/local/cuda*/bin"
+        elif not budget.allows(need_s, "the sanitizer's run"):
+            why = "no budget left"
+        if why is not None or tool is None:
+            results.summary.append(f"sanitize: skipped ({why})")
+            print(f"  {results.summary[-1]}")
+            return
+        timeout_s = min(cap_s, budget.left())
+        command = part_command(key, top, SANITIZE_TOKENS, setting, 0, 0.8 * timeout_s)
+        child = run_child([tool, "--tool", "memcheck", *command], timeout_s)
+        text = child.stdout + child.stderr
+        reports = [line for line in text.splitlines() if line.startswith("=========")]
+        for line in reports[:40]:
+            print(f"    {line}")
+        counts = SANITIZER_SUMMARY.findall(text)
+        verdict = f"{counts[-1]} errors" if counts else "no error summary"
+        results.summary.append(f"sanitize: memcheck, {verdict}" + (
+            f"; {child.fault}" if child.fault else ""))  # fmt: skip
+        print(f"  {results.summary[-1]} ({child.seconds:.0f} s)")
+        if not counts or int(counts[-1]) > 0 or child.fault is not None:
+            raise ChildFault(f"{results.summary[-1]}, stage {child.stage}\n{child.tail()}")
+
+
+def default_shapes(memory_gib: float | None) -> tuple[list[str], str]:
+    """The default --shapes, and why the mixture is in it or not (memory_gib: the CUDA
+    device's total memory; None: not a CUDA device)."""
+    keys = list(DEFAULT_SHAPES)
+    if memory_gib is None:
+        return keys, f"{MIXTURE} left out: not a CUDA device"
+    have = f"the device has {memory_gib:.0f} GiB"
+    if memory_gib >= MIXTURE_GIB:
+        return [*keys, MIXTURE], (
+            f"{MIXTURE} added: {have}, >= {MIXTURE_GIB:.0f} (61 GB of bf16 weights; "
+            "its engine at 1 and 64 streams, where the experts' rows are grouped)"
+        )
+    return keys, (
+        f"{MIXTURE} left out: {have}, < {MIXTURE_GIB:.0f} (61 GB of bf16 weights and their "
+        f"caches); --shapes {MIXTURE} asks for it"
+    )
 
 
 def goals(results: Results, keys: list[str], streams: list[int]) -> None:
@@ -874,7 +1054,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
-        "--shapes", default="135m,1b,8b,qwen3-8b,gemma3-4b", help=f"of {', '.join(SHAPES)}"
+        "--shapes",
+        default=None,
+        help=f"of {', '.join(SHAPES)} (default {','.join(DEFAULT_SHAPES)}, and {MIXTURE} on "
+        f"a device of >= {MIXTURE_GIB:.0f} GiB)",
     )
     parser.add_argument("--streams", default="1,16,64,256")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per request")
@@ -890,26 +1073,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the fixed-shape step's attention (auto: measured at each engine's start)",
     )  # fmt: skip
     parser.add_argument(
-        "--skip",
-        default="",
-        help=f"comma-separated parts to leave out, of {', '.join(PARTS)} "
-        "(generate_batch's start alone takes ~15 s on CPU)",
+        "--skip", default="", help=f"comma-separated parts to leave out, of {', '.join(PARTS)}"
     )
+    parser.add_argument(
+        "--repeat", type=int, default=0, metavar="N",
+        help="run the largest stream count's engine part N more times, each in a fresh process",
+    )  # fmt: skip
+    parser.add_argument("--repeat-shape", default=None, help="--repeat's shape (the first)")
+    parser.add_argument(
+        "--sanitize", action="store_true",
+        help="one short run of the largest stream count under compute-sanitizer memcheck",
+    )  # fmt: skip
+    # A child's own: run one engine part alone, and write its figure to --result.
+    parser.add_argument("--engine-part", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--repeat-index", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     skip = {part.strip() for part in args.skip.split(",") if part.strip()}
     if skip - set(PARTS):
         parser.error(f"unknown parts {sorted(skip - set(PARTS))}; of {', '.join(PARTS)}")
-    keys = [k.strip() for k in args.shapes.split(",") if k.strip()]
-    unknown = [k for k in keys if k not in SHAPES]
+    device = torch.device(args.device)
+    if args.shapes is None:
+        memory = None
+        if device.type == "cuda":
+            memory = torch.cuda.get_device_properties(device).total_memory / 2**30
+        keys, why = default_shapes(memory)
+    else:
+        keys = [k.strip() for k in args.shapes.split(",") if k.strip()]
+        why = "the shapes asked for"
+    unknown = [k for k in [*keys, args.repeat_shape or keys[0]] if k not in SHAPES]
     if unknown:
         parser.error(f"unknown shapes {unknown}; of {', '.join(SHAPES)}")
     streams = sorted({int(n) for n in args.streams.split(",")})
-    device = torch.device(args.device)
+    setting = Setting(device, args.tokens, args.seed, args.threads, args.decode, args.attention)
     ENGINE_OPTIONS.update(decode=args.decode, attention=args.attention)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    budget = Budget(args.budget_s)
     torch.set_float32_matmul_precision("highest")  # fp32 means fp32 (no TF32) for the HF check
+    if args.engine_part:
+        if args.result is None:
+            parser.error("--engine-part writes its figure to --result")
+        return engine_part(keys[0], max(streams), setting, args.repeat_index, args.budget_s,
+                           args.result)  # fmt: skip
+    budget = Budget(args.budget_s)
     import transformers
 
     print(
@@ -917,35 +1123,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, "
         f"torch {torch.__version__}, transformers {transformers.__version__}, "
         f"shapes {', '.join(keys)}, streams {streams}, {args.tokens} new tokens, "
-        f"budget {args.budget_s:.0f} s, seed {args.seed}"
+        f"budget {args.budget_s:.0f} s, seed {args.seed}, this process {os.getpid()}"
     )
+    print(f"shapes: {why}")
     results, failures = Results(), list[str]()
     if "checks" not in skip:
         checks = Budget(min(CHECKS_SHARE_S, budget.left()))
         correctness(keys[0], device, checks, results, failures, args.seed)
+    # --repeat's and --sanitize's runs come last; what they may need is kept from the shapes.
+    repeat_key = args.repeat_shape or keys[0]
+    cuda, runs = device.type == "cuda", max(0, args.repeat)
+    kept_s = min(runs * child_s("repeat", cuda)[0], REPEAT_SHARE * args.budget_s)
+    if args.sanitize and cuda and sanitizer() is not None:
+        kept_s += min(child_s("sanitize", cuda)[1], SANITIZE_SHARE * args.budget_s)
+    shapes = Budget(budget.left() - kept_s)
     burst_key = "1b" if "1b" in keys else keys[0]
-    for done, key in enumerate(keys):
-        share = Budget(budget.left() / (len(keys) - done))  # what an earlier shape left over
-        speed(
-            key,
-            device,
-            streams,
-            args.tokens,
-            share,
-            results,
-            failures,
-            args.seed,
-            key == burst_key,
-            skip,
-        )
+    for done, key in enumerate([] if "speed" in skip else keys):
+        share = Budget(shapes.left() / (len(keys) - done))  # what an earlier shape left over
+        speed(key, setting, streams, share, results, failures, key == burst_key, skip)
+    if runs:
+        repeat(repeat_key, runs, setting, streams, budget, results, failures)
+    if args.sanitize:
+        sanitize(repeat_key, setting, streams, budget, results, failures)
     goals(results, keys, streams)
     spent = time.perf_counter() - budget.began
-    print(f"\ngpu_check done in {spent:.0f} s; sections failed: {', '.join(failures) or 'none'}")
-    code = 1 if failures else 0
-    if ABANDONED:  # a thread that never returned must not keep the process alive
-        sys.stdout.flush()
-        os._exit(code)
-    return code
+    print()
+    for line in results.summary:
+        print(line)
+    print(f"gpu_check done in {spent:.0f} s; sections failed: {', '.join(failures) or 'none'}")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
