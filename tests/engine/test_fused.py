@@ -87,7 +87,12 @@ def test_the_engine_through_the_fused_kernels_gives_the_same_tokens(
 
 
 def test_cpu_and_a_switch_leave_the_kernels_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert "not cpu" in str(fused_problem(torch.device("cpu"), 64, 16))
+    cpu = torch.device("cpu")
+    assert fused_problem(cpu, 64, 16, gpu_path=False) == "the CPU path keeps torch's ops"
+    assert fused_problem(cpu, 64, 16) is None  # the GPU path on a CPU: interpreted
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "compiled for CUDA, not cpu" in str(fused_problem(cpu, 64, 16))
+    monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.setenv("FENCEPOST_FUSED", "off")
     assert fused_problem(torch.device("cuda"), 64, 16) == "FENCEPOST_FUSED=off"
     monkeypatch.delenv("FENCEPOST_FUSED")

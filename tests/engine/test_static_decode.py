@@ -198,6 +198,31 @@ def test_the_triton_kernel_and_sdpa_attend_as_the_torch_gather(
     )
 
 
+@pytest.mark.parametrize(
+    ("window", "softcap"),
+    [(12, None), (None, 5.0), (300, 30.0), (1, None)],  # Mistral, Gemma 2, both; one key
+)
+def test_the_triton_kernel_attends_windows_and_soft_caps_as_the_gather(
+    window: int | None, softcap: float | None
+) -> None:
+    """Gemma 2 and 3 and Mistral's layers: a window shorter than some rows, one that cuts
+    inside a span of a 600-position row, and scores capped by tanh (large scores, so
+    the cap binds)."""
+    lengths = [1, 12, 13, 300, 600, 37]
+    q, k_cache, v_cache, tables, lengths_t = _random_case(2, 2, 16, lengths, 7)
+    layer = Attention(heads=4, kv_heads=2, head_dim=16, scale=2.0, window=window,
+                      softcap=softcap)  # fmt: skip
+    kernel = TritonAttention(4, 2, 16, 16, max_context=640)
+    want = GatherAttention(4, 2, 16, 16).bind(tables, lengths_t)(q, k_cache, v_cache, layer)
+    got = kernel.bind(tables, lengths_t)(q, k_cache, v_cache, layer)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    plain = GatherAttention(4, 2, 16, 16).bind(tables, lengths_t)(q, k_cache, v_cache, PLAIN4)
+    assert not torch.allclose(got, plain, atol=1e-3), "the window or cap changed nothing"
+
+
+PLAIN4 = Attention(heads=4, kv_heads=2, head_dim=16, scale=2.0)
+
+
 def test_long_rows_share_their_work_among_sixteen_spans_and_attend_as_the_gather() -> None:
     """Past 16 spans of 256 positions a row's spans grow by its own length (so a row
     is still the same in any batch), not by max_context: at 8192 the kernel keeps 16
@@ -236,8 +261,7 @@ def test_choosing_on_cpu_takes_the_gather_and_says_why(tiny: LlamaForCausalLM) -
     runner = Runner(loaded_of(tiny), num_blocks=12, block_size=16, max_context=128)
     said: list[str] = []
     assert choose_attention(runner, 4, said.append).name == "gather"
-    assert said == ["decode attention: no triton candidate (the kernel is compiled for CUDA, "
-                    "not cpu)"]  # fmt: skip
+    assert said == ["decode attention: no triton candidate (the CPU path keeps torch's ops)"]
 
 
 def test_decode_paths_the_engine_cannot_run_are_refused(tiny: LlamaForCausalLM) -> None:
