@@ -70,7 +70,9 @@ def projection(weight: torch.Tensor, fmt: str) -> Projection:
     if fmt in DENSE:
         return Dense(weight.to(activation_dtype(fmt)).contiguous())
     if weight.device.type != "cpu":
-        raise ValueError(f"{fmt} weights are a CPU format; use bf16 or fp16 on {weight.device.type}")
+        raise ValueError(
+            f"{fmt} weights are a CPU format; use bf16 or fp16 on {weight.device.type}"
+        )
     if fmt == "int8":
         return Int8(weight)
     if fmt == "int4":
