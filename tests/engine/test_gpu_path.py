@@ -156,7 +156,9 @@ def measured(case: str, path: str, dtype: str) -> Agreement:
         os.environ.pop("FENCEPOST_FUSED")
         if saved is not None:
             os.environ["FENCEPOST_FUSED"] = saved
-    agreed = next((i for i, (a, b) in enumerate(zip(tokens, want.tokens)) if a != b), steps)
+    agreed = next(
+        (i for i, (a, b) in enumerate(zip(tokens, want.tokens, strict=True)) if a != b), steps
+    )
     gaps = [abs(a - b) for a, b in zip(logprobs[:agreed], want.logprobs[:agreed], strict=True)]
     at = agreed < steps
     return Agreement(
