@@ -46,11 +46,7 @@ def test_every_registered_family_has_a_case() -> None:
 def reference(case: str) -> tuple[list[int], list[float]]:
     """transformers' greedy tokens and each one's log probability (fp32)."""
     model = tiny_models.model(case)
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([PROMPT]), max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
-            output_scores=True, return_dict_in_generate=True, pad_token_id=0,
-        )  # fmt: skip
+    out = tiny_models.greedy(model, PROMPT, STEPS)
     tokens = out.sequences[0, len(PROMPT) :].tolist()
     logprobs = [
         float(torch.log_softmax(score[0].float(), dim=-1)[token])

@@ -95,11 +95,8 @@ class Agreement:
 
 def reference(built: Any, dtype: torch.dtype, steps: int) -> Reference:
     model = copy.deepcopy(built).to(dtype)
+    out = tiny_models.greedy(model, PROMPT, steps)
     with torch.no_grad():
-        out = model.generate(
-            torch.tensor([PROMPT]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-            output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-        )  # fmt: skip
         tokens = out.sequences[0, len(PROMPT) :].tolist()
         logits = torch.stack([step[0].float() for step in out.logits])
         exact = built(torch.tensor([PROMPT + tokens[:-1]])).logits[0, len(PROMPT) - 1 :].float()

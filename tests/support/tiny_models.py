@@ -140,3 +140,13 @@ def loaded_of(built: Any, name: str = "tiny") -> Any:
 
     context = min(int(built.config.max_position_embeddings), 2048)
     return LoadedModel.from_model(built, None, name, frozenset(), context, "built in the test")
+
+
+def greedy(model: Any, prompt: list[int], steps: int) -> Any:
+    """transformers' greedy `generate` of exactly `steps` tokens after `prompt`, with each
+    step's scores and raw logits (a dict-like output)."""
+    with torch.no_grad():
+        return model.generate(
+            torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+            output_scores=True, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+        )  # fmt: skip
