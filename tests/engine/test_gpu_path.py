@@ -236,7 +236,10 @@ def test_gemma3_and_qwen3_serve_a_chat_in_bf16_through_the_gpu_kernels(
     assert engine.runner.fused and engine.static is not None
     assert engine.static.attention.name == "triton"
     model = ChatModel(case, loaded.tokenizer, 256)
-    with ServerThread(ServeOptions(port=0, max_context=256), EngineDecoder(engine), model) as s:
+    # The interpreter runs a prefill for seconds, holding the GIL in long runs; a worker's
+    # heartbeat may wait longer than the default 3 s, which would mark it unhealthy.
+    options = ServeOptions(port=0, max_context=256, heartbeat_timeout_s=120.0)
+    with ServerThread(options, EngineDecoder(engine), model) as s:
         client = openai.OpenAI(base_url=f"{s.base_url}/v1", api_key="unused")
         ask = dict(model=case, messages=[{"role": "user", "content": "Fences?"}], temperature=0,
                    max_tokens=6)  # fmt: skip
