@@ -67,6 +67,7 @@ from llguidance import LLMatcher
 
 from adapters.engine.console import say
 from adapters.engine.grammar import GrammarError, Grammars, Penalty, tokenizer_for
+from adapters.engine.index_check import check_picks
 from adapters.engine.model import LoadedModel
 from adapters.engine.options import DEFAULT_KV_CACHE_TOKENS
 from adapters.engine.paged_attention import ATTENTIONS, choose_attention, make_attention
@@ -367,6 +368,7 @@ class Engine:
         if self.static is not None:
             logits = self.static.run(tables, where, last)
         else:
+            self.runner.check_step("decode", last, where, tables)  # before padding hides a gap
             pages = self.runner.pages(tables, max(where) + 1)
             positions = torch.tensor(where, device=device)
             logits = self.runner.decode(pages, positions, torch.tensor(last, device=device))
@@ -422,6 +424,8 @@ class Engine:
             logits = self.grammars().apply(logits, *masks)
         draws = [seq.draw() for seq in seqs]
         picks = sample_rows(logits, draws)
+        if self.runner.check_indices:
+            check_picks(picks, self.runner.vocab_size)
         records = logprob_records(logits, picks, draws, [seq.request.logprobs for seq in seqs])
         for seq, token, record in zip(seqs, picks, records, strict=True):
             self._emit(seq, token, events, record)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from adapters.engine.fused import fused_problem, kernel_device_problem, kernel_problem
+from adapters.engine.index_check import IndexCheckError, check_rows, checking
 from adapters.engine.layers.attention import (
     CPU_GATHER_BYTES,
     Attend,
@@ -175,6 +176,8 @@ class Runner:
         self._gather_bytes = None if self.gpu_path else CPU_GATHER_BYTES
         self._native: NativeModel | None = None
         self._fixed_shapes = False  # inside forward_static: no shape read from the device
+        # FENCEPOST_CHECK_INDICES=1: every step's indices checked before its kernels run.
+        self.check_indices = checking()
         # The native format keeps keys and values in fp16 (half the bytes attention
         # reads, and half the memory); only native.c reads or writes them then.
         self.cache_dtype = torch.float16 if weights == "w4a16" else self.state_dtype
@@ -242,6 +245,21 @@ class Runner:
                 total -= round((count - touched) * weights.moe.expert_bytes())
         return total
 
+    def check_step(
+        self,
+        kind: str,
+        tokens: torch.Tensor | list[int],
+        positions: torch.Tensor | list[int],
+        tables: torch.Tensor | list[list[int]],
+        live: int | None = None,
+    ) -> None:
+        """With FENCEPOST_CHECK_INDICES=1, IndexCheckError unless these rows are within
+        the pool, the context and the vocabulary (index_check.py); otherwise nothing."""
+        if self.check_indices:
+            check_rows(kind, tokens, positions, tables, vocab=self.vocab_size,
+                       max_context=self.max_context, block_size=self.block_size,
+                       num_blocks=self.num_blocks, live=live)  # fmt: skip
+
     def pages(self, tables: list[list[int]], length: int) -> Pages:
         """The Pages of rows with these block tables, each read up to `length` positions."""
         return pages_of(tables, length, self.block_size, self.device)
@@ -250,6 +268,7 @@ class Runner:
     def decode(self, pages: Pages, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """One token for each row (its table in `pages`, position, token) -> logits
         [rows, vocab]. Each row's table must cover its position."""
+        self.check_step("decode", tokens, positions, pages.tables)
         if self._native is not None:
             return self._native.forward(tokens, positions, pages.tables)
         groups = row_groups(pages, positions.shape[0], self._gather_bytes, self.k_cache[0])
@@ -345,6 +364,13 @@ class Runner:
         total = sum(chunk.tokens.shape[0] for chunk in chunks)
         if total == 0:
             raise ValueError("prefill_packed needs at least one token")
+        if self.check_indices:
+            for chunk in chunks:
+                count = chunk.tokens.shape[0]
+                where = list(range(chunk.start, chunk.start + count))
+                self.check_step("prefill", chunk.tokens, where, [chunk.table] * count)
+            if any(not 0 <= row < total for row in rows):
+                raise IndexCheckError(f"prefill: rows {list(rows)} of {total} packed tokens")
         if self._native is not None:
             return self._native_prefill(chunks, rows)
         if self.row_attention is not None and _reads(chunks) <= ROW_ATTENTION_POSITIONS:

@@ -71,6 +71,8 @@ class StaticDecode:
         self._inputs = torch.zeros((most, 2 + self.width), dtype=torch.int64, device=device)
         self._host[:, 2:] = runner.scratch_block
         self._inputs.copy_(self._host)
+        # Marks the end of each step's copy out of `_host` (CUDA; None elsewhere).
+        self._copied = torch.cuda.Event() if pin else None
         self._outputs: dict[int, torch.Tensor] = {}
         self._graphs: dict[int, Any] = {}
         if graphs:
@@ -99,18 +101,32 @@ class StaticDecode:
         size = next((s for s in self.sizes if s >= rows), None)
         if size is None:
             raise ValueError(f"{rows} rows is more than the {self.sizes[-1]} of this step")
-        block_size, scratch = self.runner.block_size, self.runner.scratch_block
+        runner = self.runner
+        block_size, scratch = runner.block_size, runner.scratch_block
+        runner.check_step("decode", tokens, positions, tables)
         used = max(positions) // block_size + 1  # table entries the widest row reads
         lines = [
             [token, position, *padded_table(table, used, scratch)]
             for table, position, token in zip(tables, positions, tokens, strict=True)
         ]
         host = self._host
+        # The last step's copy out of the pinned buffer may still be in flight (it does
+        # not wait for the host): let it finish before the buffer is written again. In
+        # the engine the last step's sampled tokens were read back (`.tolist()`) after
+        # its copy, which had therefore ended; this wait keeps it so for any caller.
+        if self._copied is not None:
+            self._copied.synchronize()
         # Past `used` a row keeps whatever ids an earlier step left: read by no row's length.
         host[:rows, : 2 + used] = torch.tensor(lines)
         host[rows:size, :2] = 0  # padding: token 0 at position 0 in the scratch block
         host[rows:size, 2:] = scratch
         self._inputs[:size].copy_(host[:size], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        if runner.check_indices:  # what the kernels read: the device's copy, padding included
+            inputs = self._inputs[:size]
+            runner.check_step("decode (fixed-shape inputs)", inputs[:, 0], inputs[:, 1],
+                              inputs[:, 2:], live=rows)  # fmt: skip
         graph = self._graphs.get(size)
         if graph is None:
             logits: torch.Tensor = self._forward(size)
