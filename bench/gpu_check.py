@@ -54,6 +54,10 @@ fails it. (FENCEPOST_GPU_CHECK_FAULT=i makes run i raise, for the tests.)
 `--sanitize` runs that batch once more, 8 tokens, under compute-sanitizer's
 memcheck (on PATH or in /usr/local/cuda*/bin), and reports its ERROR
 SUMMARY; without CUDA or without the tool it says so and skips.
+`--check-indices` runs both with FENCEPOST_CHECK_INDICES=1: every token,
+position and block id a step hands its kernels checked on the host first
+(adapters/engine/index_check.py), so an index out of bounds is named where
+it arises, not at a later synchronisation; the repeats' rates are then lower.
 
 Every loop is bounded (steps and a deadline) and every child process by a
 timeout (the cap of CHILD_S, or the budget left, the lesser); `--budget-s`
@@ -101,7 +105,10 @@ place of `--repeat 10` (140 s a shape). Each shape's parts run goal-first
 counts and the eager step; the anchors: compiled HF, generate_batch, then
 eager HF), so a short budget drops the least needed, and what did not fit
 prints as skipped. The sanitizer: `--shapes 135m --skip checks,speed
---sanitize --budget-s 300` (timeout_s 360); the mixture, on an H200:
+--sanitize --budget-s 300` (timeout_s 360); where a repeat faulted, the
+same `--repeat 10` with `--check-indices` next (its read-back each step
+synchronises, as CUDA_LAUNCH_BLOCKING=1 did, under which the fault was
+not seen: a clean run there does not clear the indices); the mixture, on an H200:
 `--shapes qwen3-30b-a3b --skip checks`.
 
 On CPU, in about a minute:
@@ -554,6 +561,11 @@ class Setting:
     threads: int | None
     decode: str = "auto"
     attention: str = "auto"
+    check_indices: bool = False  # --check-indices: the --repeat and --sanitize runs check
+
+    def env(self) -> dict[str, str]:
+        """What a --repeat or --sanitize child's environment adds."""
+        return {"FENCEPOST_CHECK_INDICES": "1"} if self.check_indices else {}
 
     @property
     def cuda(self) -> bool:
@@ -887,7 +899,9 @@ def engine_part(key: str, n: int, setting: Setting, index: int, cap_s: float, ou
     run = drive(engine, batch, began + cap_s)
     sync(setting.device)
     made = sum(len(v) for v in run.outputs.values())
-    result = {"pid": os.getpid(), "rate": made / run.seconds, "finished": run.finished}
+    checked = engine.runner.check_indices
+    result = {"pid": os.getpid(), "rate": made / run.seconds, "finished": run.finished,
+              "checked": checked}  # fmt: skip
     out.write_text(json.dumps(result))
     print(f"{STAGE}done", flush=True)
     return 0
@@ -912,10 +926,11 @@ def repeat(
             timeout_s = min(cap_s, budget.left())
             # its own deadline comes first: a run cut there is a figure, a kill is a fault
             command = part_command(key, top, setting.tokens, setting, index, 0.8 * timeout_s)
-            child = run_child(command, timeout_s)
+            child = run_child(command, timeout_s, setting.env())
             ran += 1
             if child.fault is None and child.result is not None:
                 cut = "" if child.result["finished"] else ", cut at its deadline"
+                cut += ", indices checked" if child.result["checked"] else ""
                 print(f"  repeat {index}/{runs}: {child.result['rate']:,.1f} tok/s{cut} "
                       f"(process {child.result['pid']}, {child.seconds:.1f} s)")  # fmt: skip
                 continue
@@ -968,7 +983,7 @@ def sanitize(
             return
         timeout_s = min(cap_s, budget.left())
         command = part_command(key, top, SANITIZE_TOKENS, setting, 0, 0.8 * timeout_s)
-        child = run_child([tool, "--tool", "memcheck", *command], timeout_s)
+        child = run_child([tool, "--tool", "memcheck", *command], timeout_s, setting.env())
         text = child.stdout + child.stderr
         reports = [line for line in text.splitlines() if line.startswith("=========")]
         for line in reports[:40]:
@@ -1084,6 +1099,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--sanitize", action="store_true",
         help="one short run of the largest stream count under compute-sanitizer memcheck",
     )  # fmt: skip
+    parser.add_argument(
+        "--check-indices", action="store_true",
+        help="the --repeat and --sanitize runs with FENCEPOST_CHECK_INDICES=1 (slower steps)",
+    )  # fmt: skip
     # A child's own: run one engine part alone, and write its figure to --result.
     parser.add_argument("--engine-part", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--repeat-index", type=int, default=0, help=argparse.SUPPRESS)
@@ -1105,7 +1124,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown shapes {unknown}; of {', '.join(SHAPES)}")
     streams = sorted({int(n) for n in args.streams.split(",")})
-    setting = Setting(device, args.tokens, args.seed, args.threads, args.decode, args.attention)
+    setting = Setting(
+        device, args.tokens, args.seed, args.threads, args.decode, args.attention,
+        args.check_indices,
+    )  # fmt: skip
     ENGINE_OPTIONS.update(decode=args.decode, attention=args.attention)
     if args.threads is not None:
         torch.set_num_threads(args.threads)

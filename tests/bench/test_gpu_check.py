@@ -89,14 +89,16 @@ def test_no_budget_skips_every_part_and_says_so(capsys: pytest.CaptureFixture[st
 def test_a_faulted_repeat_is_reported_with_its_index_and_fails_the_run(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two fresh processes of the largest batch, the second told to fail: the first's
-    figure prints, the second is the one fault, named, and the run's status says so."""
+    """Two fresh processes of the largest batch (their indices checked), the second told
+    to fail: the first's figure prints, the second is the one fault, named, and the run's
+    status says so."""
     script = _script()
     monkeypatch.setenv(script.FAULT_ENV, "2")
-    code = script.main([*TINY, "--skip", "checks,speed", "--repeat", "2"])
+    monkeypatch.delenv("FENCEPOST_CHECK_INDICES", raising=False)
+    code = script.main([*TINY, "--skip", "checks,speed", "--repeat", "2", "--check-indices"])
     out = capsys.readouterr().out
     assert code == 1, out
-    assert re.search(r"repeat 1/2: [\d,.]+ tok/s \(process \d+", out), out
+    assert re.search(r"repeat 1/2: [\d,.]+ tok/s, indices checked \(process \d+", out), out
     assert out.count("FAULT in ") == 1
     assert (
         "FAULT in repeat 2/2, tiny shape: fencepost, 4 streams, stage start: exit status 1" in out
