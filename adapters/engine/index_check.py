@@ -25,6 +25,7 @@ What a step's rows must hold (rows past `live` are a fixed-shape step's padding)
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -97,8 +98,11 @@ def check_rows(
                 )
 
 
-def _listed(values: torch.Tensor | list) -> list:
-    return values.detach().cpu().tolist() if isinstance(values, torch.Tensor) else values
+def _listed(values: torch.Tensor | list[Any]) -> list[Any]:
+    if isinstance(values, torch.Tensor):
+        listed: list[Any] = values.detach().cpu().tolist()
+        return listed
+    return values
 
 
 def check_picks(picks: list[int], vocab: int) -> None:

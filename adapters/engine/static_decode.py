@@ -72,7 +72,7 @@ class StaticDecode:
         self._host[:, 2:] = runner.scratch_block
         self._inputs.copy_(self._host)
         # Marks the end of each step's copy out of `_host` (CUDA; None elsewhere).
-        self._copied = torch.cuda.Event() if pin else None
+        self._copied = torch.cuda.Event() if pin else None  # type: ignore[no-untyped-call]
         self._outputs: dict[int, torch.Tensor] = {}
         self._graphs: dict[int, Any] = {}
         if graphs:
