@@ -365,10 +365,10 @@ class Engine:
         tables = [self.blocks.table(seq.key) for seq in seqs]
         last = [s.generation.output[-1] for s in seqs]
         masks = self._masks(seqs)
+        self.runner.check_step("decode", last, where, tables)  # before padding hides a gap
         if self.static is not None:
             logits = self.static.run(tables, where, last)
         else:
-            self.runner.check_step("decode", last, where, tables)  # before padding hides a gap
             pages = self.runner.pages(tables, max(where) + 1)
             positions = torch.tensor(where, device=device)
             logits = self.runner.decode(pages, positions, torch.tensor(last, device=device))

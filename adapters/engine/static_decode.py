@@ -103,7 +103,6 @@ class StaticDecode:
             raise ValueError(f"{rows} rows is more than the {self.sizes[-1]} of this step")
         runner = self.runner
         block_size, scratch = runner.block_size, runner.scratch_block
-        runner.check_step("decode", tokens, positions, tables)
         used = max(positions) // block_size + 1  # table entries the widest row reads
         lines = [
             [token, position, *padded_table(table, used, scratch)]
