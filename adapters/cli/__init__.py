@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 # adapters/engine/weights.py FORMATS, plus "auto" (a test keeps the two alike; named here
 # so that building the command line does not import torch).
-WEIGHT_CHOICES = ("auto", "fp32", "bf16", "fp16", "int8", "int4", "w4a16")
+WEIGHT_CHOICES = ("auto", "fp32", "bf16", "fp16", "int8", "int4", "w4a16", "w4a8")
 
 
 def add_weights_argument(parser: argparse.ArgumentParser) -> None:

@@ -28,6 +28,7 @@ from adapters.engine.options import (
     served_context,
     serving_threads,
 )
+from adapters.engine.weights import NATIVE
 from core.batching import BatchLimits
 
 
@@ -71,9 +72,9 @@ def build_engine(loaded: LoadedModel, options: EngineOptions, **engine: Any) -> 
         attention=options.attention,
         **engine,
     )
-    if options.threads is None and fmt == "w4a16":
+    if options.threads is None and fmt in NATIVE:
         threads = serving_threads(device, fmt)
-        say(f"weights w4a16: the engine takes all {threads} CPU threads")
+        say(f"weights {fmt}: the engine takes all {threads} CPU threads")
     return BuiltEngine(built, threads)
 
 

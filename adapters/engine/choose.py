@@ -15,8 +15,12 @@ had AVX2 only), so nothing is assumed. At start:
    each passing format, at one row (a single stream) and at `rows` rows (a
    full batch): a few of its layers built at a time and the rest added at the
    measured cost of a layer (decode_step_s), so the trials never hold a second
-   copy of the model; the fastest at one row wins, unless it is more than 1.5x
-   slower than another passing format at full batch.
+   copy of the model. Each format's speed is the geometric mean of its two
+   step times (a stream's latency and a full batch's throughput count alike),
+   and the fastest wins; formats within 10% of it count as tied, and the tie
+   goes to the lowest perplexity. The margin keeps the answer the same from one
+   start to the next where two formats run alike (w4a16 and w4a8 at one row on
+   an AVX-512 VNNI CPU, where a step reads weights rather than multiplies).
 
 The choice and the figures behind it go to the log. On CUDA the answer is
 bf16 without measuring.
@@ -46,7 +50,7 @@ from adapters.engine.code_key import code_key
 from adapters.engine.files import cache_root
 from adapters.engine.model import LoadedModel, model_key
 from adapters.engine.spec import ModelSpec
-from adapters.engine.weights import FORMATS, activation_dtype, projection
+from adapters.engine.weights import FORMATS, NATIVE, activation_dtype, projection
 
 Say = Callable[[str], None]
 GATE_TOKENS = 512  # tokens of reference text scored at start (bench quality scores more)
@@ -75,10 +79,11 @@ def native_status(spec: ModelSpec | None = None) -> str:
     try:
         library = load()
     except NativeUnavailable as error:
-        return f"native kernels (w4a16): not available: {error}"
+        return f"native kernels (w4a16, w4a8): not available: {error}"
     problem = model_problem(spec) if spec is not None else None
     unfit = f"; not for this model: {problem}" if problem else ""
-    return f"native kernels (w4a16): {library.isa}, {library.tile}-row tiles, {library.path}{unfit}"
+    built = f"{library.isa}, {library.tile}-row tiles, {library.path}"
+    return f"native kernels (w4a16, w4a8): {built}{unfit}"
 
 
 def gpu_format(device: torch.device) -> str:
@@ -108,11 +113,11 @@ def working_formats(device: torch.device, spec: ModelSpec | None = None) -> list
         error = float((got - exact).norm() / exact.norm())
         if error < 0.25:  # int4 of this random data errs 8%; a broken kernel errs ~100%
             found.append(fmt)
-    if spec is not None and "w4a16" in found:
+    if spec is not None and any(fmt in found for fmt in NATIVE):
         from adapters.engine.native import model_problem
 
         if model_problem(spec):
-            found.remove("w4a16")
+            found = [fmt for fmt in found if fmt not in NATIVE]
     return found
 
 
@@ -193,6 +198,19 @@ def choose(loaded: LoadedModel, rows: int, say: Say) -> Choice:
     return choice
 
 
+TIED = 1.10  # speeds within this factor of the fastest count as the same
+
+
+def pick(one: dict[str, float], full: dict[str, float], quality: dict[str, float]) -> str:
+    """The format to serve among those timed: the least geometric mean of its step at
+    one row and at full batch, where formats within TIED of it are tied and the
+    lowest perplexity wins the tie."""
+    speed = {fmt: (one[fmt] * full[fmt]) ** 0.5 for fmt in one}
+    fastest = min(speed.values())
+    tied = [fmt for fmt in speed if speed[fmt] <= TIED * fastest]
+    return min(tied, key=lambda fmt: (quality.get(fmt, 0.0), speed[fmt]))
+
+
 def _measure(loaded: LoadedModel, rows: int, say: Say) -> Choice:
     """The quality gate and the speed trials, and the format they choose."""
     from adapters.engine.quality import GATE, passes, perplexities
@@ -202,9 +220,7 @@ def _measure(loaded: LoadedModel, rows: int, say: Say) -> Choice:
     passing = [f for f in working if passes(quality, f)]
     one = {fmt: decode_step_s(loaded, fmt, 1) for fmt in passing}
     full = {fmt: decode_step_s(loaded, fmt, rows) for fmt in passing}
-    best_full = min(full.values())
-    eligible = [f for f in passing if full[f] <= 1.5 * best_full]
-    chosen = min(eligible, key=lambda f: one[f])
+    chosen = pick(one, full, quality)
     figures = "; ".join(
         f"{fmt}: {one[fmt] * 1e3:.1f} ms at 1 row, {full[fmt] * 1e3:.1f} ms at {rows}, "
         f"perplexity {quality[fmt]:.3f}" + ("" if fmt in passing else " (fails the gate)")

@@ -74,6 +74,7 @@ from adapters.engine.paged_attention import ATTENTIONS, choose_attention, make_a
 from adapters.engine.runner import DEFAULT_BLOCK_SIZE, Chunk, Runner
 from adapters.engine.sampling import TokenDraw, sample, sample_whole
 from adapters.engine.static_decode import StaticDecode
+from adapters.engine.weights import NATIVE
 from core.batching import BatchLimits
 from core.blocks import BlockManager
 from core.decoding import Generation
@@ -235,8 +236,10 @@ class Engine:
         if decode == "graphs" and not cuda:
             raise ValueError(f"decode graphs need a CUDA device, not {self.device.type}")
         runner = self.runner
-        if runner.format == "w4a16":
-            raise ValueError("w4a16 decodes in one native call; its decode path is eager")
+        if runner.format in NATIVE:
+            raise ValueError(
+                f"{runner.format} decodes in one native call; its decode path is eager"
+            )
         rows = self.limits.max_seqs
         if attention == "auto":
             chosen = choose_attention(runner, min(rows, ATTENTION_TRIAL_ROWS), say)

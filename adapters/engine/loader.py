@@ -8,8 +8,8 @@ gate and up another (`LayerWeights`); a mixture's experts become one product eac
 and stacked for the fixed-shape step where the format is dense (`MoeWeights`).
 
 Constant multipliers are folded into the weights here (`load_weights` lists
-them), so the forward pass never spends a step on them. Under w4a16 a GGUF's
-blocks are kept as shipped (`_Shipped`): no fp32 copy of a matrix the kernels
+them), so the forward pass never spends a step on them. Under w4a16 and w4a8 a
+GGUF's blocks are kept as shipped (`_Shipped`): no fp32 copy of a matrix the kernels
 can run as the file holds it.
 """
 
@@ -28,7 +28,9 @@ from adapters.engine.checkpoint import first as first_present
 from adapters.engine.spec import Experts, ExpertTensors, ModelSpec
 from adapters.engine.weights import (
     DENSE,
+    NATIVE,
     Projection,
+    act_bytes,
     activation_dtype,
     output_format,
     projection,
@@ -107,10 +109,11 @@ class _Shipped:
 
     WIDER = ("Q5_0", "Q5_1", "Q8_1")  # more than 4 bits: requantised to 8
 
-    def __init__(self, checkpoint: Any) -> None:
+    def __init__(self, checkpoint: Any, act_bytes: int = 2) -> None:
         from adapters.engine.native_build import load
 
         self.checkpoint = checkpoint
+        self.act_bytes = act_bytes  # the products' activations: w4a16's 2, w4a8's 1
         self.library = load()
         self.sources: Counter[str] = Counter()
         self._parts: dict[tuple[str, int, int | None], Part] = {}
@@ -159,7 +162,7 @@ class _Shipped:
                     "writes them; a file with one tensor per expert is not read)"
                 )
             parts.append(replace(self.part(name, 4, expert), scale=scale))
-        return NativeProduct(library=self.library, parts=parts)
+        return NativeProduct(library=self.library, act_bytes=self.act_bytes, parts=parts)
 
     def product(
         self, names: Sequence[str], scales: Sequence[float], bits: int = 4
@@ -172,7 +175,7 @@ class _Shipped:
             replace(self.part(name, bits), scale=scale)
             for name, scale in zip(names, scales, strict=True)
         ]
-        return NativeProduct(library=self.library, parts=parts)
+        return NativeProduct(library=self.library, act_bytes=self.act_bytes, parts=parts)
 
     def fused_qkv(self, name: str, q_size: int, q_scale: float) -> NativeProduct:
         """A q|k|v matrix shipped as one tensor (Phi-3's), with the attention scale on q's
@@ -187,7 +190,7 @@ class _Shipped:
         q_tiles = q_size // tile
         q = replace(part, packed=part.packed[:q_tiles], out_features=q_size, scale=q_scale)
         kv = replace(part, packed=part.packed[q_tiles:], out_features=part.out_features - q_size)
-        return NativeProduct(library=self.library, parts=[q, kv])
+        return NativeProduct(library=self.library, act_bytes=self.act_bytes, parts=[q, kv])
 
     def embedding(self, name: str, scale: float, head_name: str) -> torch.Tensor | NativeProduct:
         """The embedding table: packed as shipped (shared with a tied head) where its
@@ -200,7 +203,8 @@ class _Shipped:
             table: torch.Tensor = self.checkpoint.tensor(name).float()
             return table * scale if scale != 1.0 else table
         part = self.part(name, 8 if name == head_name else 4)  # a tied head's own tiles
-        return NativeProduct(library=self.library, parts=[replace(part, scale=scale)])
+        scaled = [replace(part, scale=scale)]
+        return NativeProduct(library=self.library, act_bytes=self.act_bytes, parts=scaled)
 
 
 def load_weights(
@@ -219,13 +223,15 @@ def load_weights(
     norm weight. A tied lm_head is the embedding table itself unless one of those
     scales differs between them.
 
-    w4a16 on a GGUF keeps the file's blocks (_Shipped): the attention scale, the
+    w4a16 and w4a8 on a GGUF keep the file's blocks (_Shipped): the attention scale, the
     residual and logit multipliers then scale the products' outputs instead of the
     weights, and the embedding table is a packed matrix (the tied head's own tiles)
     whose rows native.c unpacks.
     """
     checkpoint, names, device = loaded.checkpoint, loaded.tensors, loaded.device
-    packer = _Shipped(checkpoint) if fmt == "w4a16" and hasattr(checkpoint, "blocks") else None
+    packer = None
+    if fmt in NATIVE and hasattr(checkpoint, "blocks"):
+        packer = _Shipped(checkpoint, act_bytes(fmt))
 
     def read(name: str) -> torch.Tensor:
         return checkpoint.tensor(name).to(device=device, dtype=torch.float32)

@@ -4,10 +4,13 @@
  * they were shipped, or fencepost's own 4- and 8-bit groups (which are Q4_1 and Q8_0
  * blocks): every kind computes W = q * scale + minimum per group of 32 inputs (16 for
  * Q6_K), with the scales formed in fp32 exactly as gguf's dequantisation forms them.
- * Each integer product first turns its fp32 activations into 16-bit integers per group
- * of 32 (one scale a group), held as two signed bytes (quantize() says why), multiplies
- * integers exactly (VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd, once per byte),
- * then scales each group's integer sum in fp32. F16 and BF16 matrices multiply fp32
+ * Each integer product first turns its fp32 activations into integers per group of 32
+ * (one scale a group): 16-bit values held as two signed bytes (w4a16), or one signed
+ * byte (w4a8, half the integer work); the caller picks per model (Model.act_bytes) or
+ * per call, and quantize() says what each costs. It multiplies integers exactly (VNNI's
+ * vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd, once per byte), then scales each group's
+ * integer sum in fp32. Every kernel exists for both widths (the width a constant of
+ * it, so the one-byte kernels carry no test or load for a second byte). F16 and BF16 matrices multiply fp32
  * activations by their exactly widened values, one input at a time.
  *
  * Layout: outputs are packed in tiles of TILE rows (16 with AVX-512, 8 with AVX2),
@@ -98,14 +101,16 @@ static size_t tile_bytes(const Mat *m) {
     return bytes;
 }
 
-typedef struct { /* activations quantized per group of 32, in two 8-bit parts */
+typedef struct { /* activations quantized per group of 32, in one or two 8-bit parts */
     int32_t rows, in, groups;
+    int32_t bytes;  /* 2: c and c2 (16-bit values); 1: c alone (c2 unused, NULL) */
     const float *x; /* [rows][in] the fp32 activations themselves (F16 and BF16) */
     int8_t *c;      /* [rows][in] high part: round(x / d), d = max |x| / 127 */
     int8_t *c2;     /* [rows][in] low part: round((x - c * d) * 128 / d), within +-64 */
-    float *d;       /* [rows][groups] scale of the 16-bit value 128 * c + c2: d / 128 */
-    float *dsum;    /* [rows][groups] that scale times the sum of the 16-bit values */
-    int32_t *csum;  /* [rows][groups] sum of the 16-bit values */
+    float *d;       /* [rows][groups] the step of a value: d / 128 of the 16-bit value
+                     * 128 * c + c2 (two bytes), d itself of c (one byte) */
+    float *dsum;    /* [rows][groups] that step times the sum of the values */
+    int32_t *csum;  /* [rows][groups] sum of the values (16-bit, or c alone) */
     int32_t *csum16; /* [rows][2 groups] the same over each half group (Q6_K) */
 } Act;
 
@@ -147,6 +152,7 @@ typedef struct {
     const Mat *const *expert_gate_up;   /* [experts] */
     const Mat *const *expert_down;      /* [experts] */
     const float *const *shared_gate;    /* [hidden]: sigmoid gate of the shared expert */
+    int32_t act_bytes;                  /* activation bytes of every product: 1 or 2 */
 } Model;
 
 const char *fp_isa(void) { return FP_ISA; }
@@ -268,20 +274,23 @@ static void run_parts(part_fn fn, void *ctx, int parts) {
 
 /* Each group of 32 becomes 16-bit integers v = 128 * c + c2 with one fp32 scale: the
  * high byte c is x rounded at d = max |x| / 127, the low byte c2 the remainder rounded
- * at d / 128. One 8-bit part alone erred several percent on this project's default
- * model (a group's largest value sets the step for all 32); the two parts keep ~15
- * bits, and the integer products stay exact (two 8-bit products, summed as 128 * hi
- * + lo in 32 bits). */
+ * at d / 128; or, with one byte, c alone at step d. One byte errs up to half a step of
+ * the group's largest value (about 0.4% of it) on each input; the two parts keep ~15
+ * bits. Both keep the integer products exact (two 8-bit products summed as 128 * hi +
+ * lo in 32 bits, or one), and a row's bytes never depend on the other rows; the weight
+ * format's quality gate judges whether one byte is good enough for a model. */
 /* Round to the nearest integer, ties to even, for |v| < 2^22: adding and taking away
  * 1.5 * 2^23 leaves no fraction bits (vectorizes; nearbyintf may not). */
 static inline float round_even(float v) { return (v + 12582912.0f) - 12582912.0f; }
 
-/* Rows r0..r1 of x into a (whose shape quantize has set). */
+/* Rows r0..r1 of x into a (whose shape quantize has set), in a->bytes parts. With one
+ * part the value is c alone, at step d: llama.cpp's Q8 activations, but per group of
+ * 32 rather than of 256, and the same rounding for a row alone or in any batch. */
 static void quantize_rows(const float *x, int in, Act *a, int r0, int r1) {
-    int groups = in / GROUP;
+    int groups = in / GROUP, two = a->bytes == 2;
     for (int r = r0; r < r1; r++) {
         const float *xr = x + (size_t)r * in;
-        int8_t *cr = a->c + (size_t)r * in, *lr = a->c2 + (size_t)r * in;
+        int8_t *cr = a->c + (size_t)r * in, *lr = two ? a->c2 + (size_t)r * in : NULL;
         for (int g = 0; g < groups; g++) {
             const float *xg = xr + g * GROUP;
             float part[16];
@@ -304,13 +313,13 @@ static void quantize_rows(const float *x, int in, Act *a, int r0, int r1) {
             int32_t sum = 0, half = 0;
             for (int i = 0; i < GROUP; i++) {
                 cr[g * GROUP + i] = (int8_t)hi[i];
-                lr[g * GROUP + i] = (int8_t)lo[i];
-                sum += 128 * hi[i] + lo[i];
+                if (two) lr[g * GROUP + i] = (int8_t)lo[i];
+                sum += two ? 128 * hi[i] + lo[i] : hi[i];
                 if (i == 15) half = sum;
             }
             a->csum16[(r * groups + g) * 2] = half;
             a->csum16[(r * groups + g) * 2 + 1] = sum - half;
-            float step = d / 128.0f;
+            float step = two ? d / 128.0f : d;
             a->d[r * groups + g] = step;
             a->csum[r * groups + g] = sum;
             a->dsum[r * groups + g] = step * (float)sum;
@@ -462,9 +471,14 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
     }
 }
 
+/* The integer sum of a group from its parts' sums: 128 * hi + lo with two activation
+ * bytes, hi alone with one (A, a constant of each kernel: the low part's products are
+ * then not computed at all). */
+#define JOINED(A, hi, lo) ((A) == 2 ? VI_JOIN(hi, lo) : (hi))
+
 /* Four nibble sub-blocks at p (advanced past them) against RB rows' activation bytes
- * of group g: the high and low parts' integer sums. */
-#define NIBBLE_DOTS(RB)                                                                    \
+ * of group g: the high and (A == 2) low parts' integer sums. */
+#define NIBBLE_DOTS(RB, A)                                                                 \
     for (int r = 0; r < RB; r++) high_sum[r] = low_sum[r] = VI_ZERO();                     \
     for (int b = 0; b < 4; b++) {                                                          \
         _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);                             \
@@ -474,8 +488,10 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
             size_t at = (size_t)(r0 + r) * in + g * GROUP + 8 * b;                         \
             high_sum[r] = DOT_U4(high_sum[r], lo, VI_BCAST32(a->c + at));                  \
             high_sum[r] = DOT_U4(high_sum[r], hi, VI_BCAST32(a->c + at + 4));              \
-            low_sum[r] = DOT_U4(low_sum[r], lo, VI_BCAST32(a->c2 + at));                   \
-            low_sum[r] = DOT_U4(low_sum[r], hi, VI_BCAST32(a->c2 + at + 4));               \
+            if (A == 2) {                                                                  \
+                low_sum[r] = DOT_U4(low_sum[r], lo, VI_BCAST32(a->c2 + at));               \
+                low_sum[r] = DOT_U4(low_sum[r], hi, VI_BCAST32(a->c2 + at + 4));           \
+            }                                                                              \
         }                                                                                  \
         p += 4 * TILE;                                                                     \
     }
@@ -497,8 +513,8 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
     const Mat *m, const Act *a, int r0, float *y, int stride, int col, int t0, int t1
 
 /* RB activation rows (from r0) against tiles t0..t1 of a KIND_Q4 matrix. */
-#define DEFINE_Q4(RB)                                                                      \
-    static void q4_rows_##RB(ROWS_ARGS) {                                                  \
+#define DEFINE_Q4(RB, A)                                                                      \
+    static void q4_rows_##RB##_##A(ROWS_ARGS) {                                                  \
         const vi low = VI_SET1B(0x0F);                                                     \
         const int groups = m->groups, in = m->in;                                         \
         for (int t = t0; t < t1; t++) {                                                    \
@@ -507,13 +523,13 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
             for (int r = 0; r < RB; r++) acc[r] = VF_ZERO();                               \
             for (int g = 0; g < groups; g++) {                                             \
                 vi high_sum[RB], low_sum[RB];                                              \
-                NIBBLE_DOTS(RB)                                                            \
+                NIBBLE_DOTS(RB, A)                                                         \
                 vf scale = VF_HALF(p), minimum = VF_HALF(p + 2 * TILE);                    \
                 p += 4 * TILE;                                                             \
                 for (int r = 0; r < RB; r++) {                                             \
                     int at = (r0 + r) * groups + g;                                        \
                     vf s = VF_MUL(scale, VF_SET1(a->d[at]));                               \
-                    vi sum = VI_JOIN(U4_TO_32(high_sum[r]), U4_TO_32(low_sum[r]));         \
+                    vi sum = JOINED(A, U4_TO_32(high_sum[r]), U4_TO_32(low_sum[r]));         \
                     acc[r] = VF_FMA(VF_CVT(sum), s, acc[r]);                               \
                     acc[r] = VF_FMA(minimum, VF_SET1(a->dsum[at]), acc[r]);                \
                 }                                                                          \
@@ -524,8 +540,8 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
 
 /* RB activation rows against tiles t0..t1 of a KIND_Q4K matrix: as KIND_Q4, with each
  * group's scale d * sc and minimum dmin * m formed in fp32 (exact: 17-bit products). */
-#define DEFINE_Q4K(RB)                                                                     \
-    static void q4k_rows_##RB(ROWS_ARGS) {                                                 \
+#define DEFINE_Q4K(RB, A)                                                                     \
+    static void q4k_rows_##RB##_##A(ROWS_ARGS) {                                                 \
         const vi low = VI_SET1B(0x0F);                                                     \
         const int groups = m->groups, in = m->in;                                         \
         for (int t = t0; t < t1; t++) {                                                    \
@@ -536,13 +552,13 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
             for (int g = 0; g < groups; g++) {                                             \
                 K_HEADER();                                                                \
                 vi high_sum[RB], low_sum[RB];                                              \
-                NIBBLE_DOTS(RB)                                                            \
+                NIBBLE_DOTS(RB, A)                                                         \
                 const uint8_t *sc = header + (4 + g % 8) * TILE;                           \
                 vf scale = VF_MUL(d, VF_U8(sc)), minimum = VF_MUL(dmin, VF_U8(sc + 8 * TILE)); \
                 for (int r = 0; r < RB; r++) {                                             \
                     int at = (r0 + r) * groups + g;                                        \
                     vf s = VF_MUL(scale, VF_SET1(a->d[at]));                               \
-                    vi sum = VI_JOIN(U4_TO_32(high_sum[r]), U4_TO_32(low_sum[r]));         \
+                    vi sum = JOINED(A, U4_TO_32(high_sum[r]), U4_TO_32(low_sum[r]));         \
                     acc[r] = VF_FMA(VF_CVT(sum), s, acc[r]);                               \
                     acc[r] = VF_FNMA(minimum, VF_SET1(a->dsum[at]), acc[r]);               \
                 }                                                                          \
@@ -552,8 +568,8 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
     }
 
 /* RB activation rows (from r0) against tiles t0..t1 of a KIND_Q8 matrix. */
-#define DEFINE_Q8(RB)                                                                      \
-    static void q8_rows_##RB(ROWS_ARGS) {                                                  \
+#define DEFINE_Q8(RB, A)                                                                      \
+    static void q8_rows_##RB##_##A(ROWS_ARGS) {                                                  \
         const int groups = m->groups, in = m->in;                                         \
         for (int t = t0; t < t1; t++) {                                                    \
             const uint8_t *p = m->data + (size_t)t * tile_bytes(m);                        \
@@ -568,7 +584,8 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
                     for (int r = 0; r < RB; r++) {                                         \
                         size_t at = (size_t)(r0 + r) * in + g * GROUP + 4 * b;             \
                         high_sum[r] = DOT_S8(high_sum[r], u, w, VI_BCAST32(a->c + at));    \
-                        low_sum[r] = DOT_S8(low_sum[r], u, w, VI_BCAST32(a->c2 + at));     \
+                        if (A == 2)                                                        \
+                            low_sum[r] = DOT_S8(low_sum[r], u, w, VI_BCAST32(a->c2 + at)); \
                     }                                                                      \
                     p += 4 * TILE;                                                         \
                 }                                                                          \
@@ -576,7 +593,7 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
                 p += 2 * TILE;                                                             \
                 for (int r = 0; r < RB; r++) {                                             \
                     int at = (r0 + r) * groups + g;                                        \
-                    vi sum = VI_JOIN(high_sum[r], low_sum[r]);                             \
+                    vi sum = JOINED(A, high_sum[r], low_sum[r]);                             \
                     if (S8_BIASED) sum = VI_SUB(sum, VI_SET1(128 * a->csum[at]));          \
                     acc[r] = VF_FMA(VF_CVT(sum), VF_MUL(scale, VF_SET1(a->d[at])), acc[r]); \
                 }                                                                          \
@@ -602,19 +619,21 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
 
 /* lo and hi of sub-block b (inputs 8b..) against RB rows' activation bytes, the
  * products widened to 32 bits at once (weights up to 63). */
-#define WIDE_DOTS(RB, b, lo, hi)                                                           \
+#define WIDE_DOTS(RB, A, b, lo, hi)                                                         \
     for (int r = 0; r < RB; r++) {                                                         \
         size_t at = (size_t)(r0 + r) * in + g * GROUP + 8 * (b);                           \
         high_sum[r] = DOT_U8(high_sum[r], lo, VI_BCAST32(a->c + at));                      \
         high_sum[r] = DOT_U8(high_sum[r], hi, VI_BCAST32(a->c + at + 4));                  \
-        low_sum[r] = DOT_U8(low_sum[r], lo, VI_BCAST32(a->c2 + at));                       \
-        low_sum[r] = DOT_U8(low_sum[r], hi, VI_BCAST32(a->c2 + at + 4));                   \
+        if (A == 2) {                                                                      \
+            low_sum[r] = DOT_U8(low_sum[r], lo, VI_BCAST32(a->c2 + at));                   \
+            low_sum[r] = DOT_U8(low_sum[r], hi, VI_BCAST32(a->c2 + at + 4));               \
+        }                                                                                  \
     }
 
 /* RB activation rows against tiles t0..t1 of a KIND_Q5K matrix: nibbles plus a plane of
  * fifth bits (bit 2b + h of byte 4 o + j: input 8b + 4h + j), the scales as Q4_K's. */
-#define DEFINE_Q5K(RB)                                                                     \
-    static void q5k_rows_##RB(ROWS_ARGS) {                                                 \
+#define DEFINE_Q5K(RB, A)                                                                     \
+    static void q5k_rows_##RB##_##A(ROWS_ARGS) {                                                 \
         const vi low = VI_SET1B(0x0F), bit = VI_SET1B(0x10);                               \
         const int groups = m->groups, in = m->in;                                         \
         for (int t = t0; t < t1; t++) {                                                    \
@@ -629,20 +648,20 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
                 vi high_sum[RB], low_sum[RB];                                              \
                 for (int r = 0; r < RB; r++) high_sum[r] = low_sum[r] = VI_ZERO();         \
                 WITH_HIGH(VI_LOAD(p), plane, 0, 1, bit, lo, hi);                           \
-                WIDE_DOTS(RB, 0, lo, hi)                                                   \
+                WIDE_DOTS(RB, A, 0, lo, hi)                                                   \
                 WITH_HIGH(VI_LOAD(p + 4 * TILE), plane, 2, 3, bit, lo, hi);                \
-                WIDE_DOTS(RB, 1, lo, hi)                                                   \
+                WIDE_DOTS(RB, A, 1, lo, hi)                                                   \
                 WITH_HIGH(VI_LOAD(p + 8 * TILE), plane, 4, 5, bit, lo, hi);                \
-                WIDE_DOTS(RB, 2, lo, hi)                                                   \
+                WIDE_DOTS(RB, A, 2, lo, hi)                                                   \
                 WITH_HIGH(VI_LOAD(p + 12 * TILE), plane, 6, 7, bit, lo, hi);               \
-                WIDE_DOTS(RB, 3, lo, hi)                                                   \
+                WIDE_DOTS(RB, A, 3, lo, hi)                                                   \
                 p += 20 * TILE;                                                            \
                 const uint8_t *sc = header + (4 + g % 8) * TILE;                           \
                 vf scale = VF_MUL(d, VF_U8(sc)), minimum = VF_MUL(dmin, VF_U8(sc + 8 * TILE)); \
                 for (int r = 0; r < RB; r++) {                                             \
                     int at = (r0 + r) * groups + g;                                        \
                     vf s = VF_MUL(scale, VF_SET1(a->d[at]));                               \
-                    acc[r] = VF_FMA(VF_CVT(VI_JOIN(high_sum[r], low_sum[r])), s, acc[r]);  \
+                    acc[r] = VF_FMA(VF_CVT(JOINED(A, high_sum[r], low_sum[r])), s, acc[r]);  \
                     acc[r] = VF_FNMA(minimum, VF_SET1(a->dsum[at]), acc[r]);               \
                 }                                                                          \
             }                                                                              \
@@ -654,8 +673,8 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
  * of the two high bits (plane v, for inputs 16v..16v+15: bits 2(2s + h) of byte
  * 4 o + j for input 16v + 8s + 4h + j), half a group at a time: its integer sum less
  * 32 times its activations' sum (q - 32, exactly), times d * sc of that half. */
-#define DEFINE_Q6K(RB)                                                                     \
-    static void q6k_rows_##RB(ROWS_ARGS) {                                                 \
+#define DEFINE_Q6K(RB, A)                                                                     \
+    static void q6k_rows_##RB##_##A(ROWS_ARGS) {                                                 \
         const vi low = VI_SET1B(0x0F), bits = VI_SET1B(0x30);                              \
         const int groups = m->groups, in = m->in;                                         \
         for (int t = t0; t < t1; t++) {                                                    \
@@ -671,13 +690,13 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
                     vi high_sum[RB], low_sum[RB];                                          \
                     for (int r = 0; r < RB; r++) high_sum[r] = low_sum[r] = VI_ZERO();     \
                     WITH_HIGH(VI_LOAD(p + 8 * v * TILE), plane, 0, 2, bits, lo, hi);       \
-                    WIDE_DOTS(RB, 2 * v, lo, hi)                                           \
+                    WIDE_DOTS(RB, A, 2 * v, lo, hi)                                           \
                     WITH_HIGH(VI_LOAD(p + (8 * v + 4) * TILE), plane, 4, 6, bits, lo, hi); \
-                    WIDE_DOTS(RB, 2 * v + 1, lo, hi)                                       \
+                    WIDE_DOTS(RB, A, 2 * v + 1, lo, hi)                                       \
                     vf scale = VF_MUL(d, VF_S8(header + (4 + 2 * (g % 8) + v) * TILE));    \
                     for (int r = 0; r < RB; r++) {                                         \
                         int at = (r0 + r) * groups + g;                                    \
-                        vi sum = VI_SUB(VI_JOIN(high_sum[r], low_sum[r]),                  \
+                        vi sum = VI_SUB(JOINED(A, high_sum[r], low_sum[r]),                  \
                                         VI_SET1(32 * a->csum16[2 * at + v]));              \
                         acc[r] = VF_FMA(VF_CVT(sum), VF_MUL(scale, VF_SET1(a->d[at])), acc[r]); \
                     }                                                                      \
@@ -709,10 +728,14 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
         }                                                                                  \
     }
 
-#define DEFINE_ALL(RB) \
-    DEFINE_Q4(RB) DEFINE_Q8(RB) DEFINE_Q4K(RB) DEFINE_Q5K(RB) DEFINE_Q6K(RB) DEFINE_F16(RB)
-#define KERNELS(RB) {q4_rows_##RB, q8_rows_##RB, q4k_rows_##RB, q5k_rows_##RB, q6k_rows_##RB, \
-                     f16_rows_##RB, f16_rows_##RB}
+/* Every kind for RB rows: the integer kinds once per activation width (A bytes). */
+#define DEFINE_ALL(RB)                                                                     \
+    DEFINE_Q4(RB, 1) DEFINE_Q8(RB, 1) DEFINE_Q4K(RB, 1) DEFINE_Q5K(RB, 1) DEFINE_Q6K(RB, 1) \
+    DEFINE_Q4(RB, 2) DEFINE_Q8(RB, 2) DEFINE_Q4K(RB, 2) DEFINE_Q5K(RB, 2) DEFINE_Q6K(RB, 2) \
+    DEFINE_F16(RB)
+#define KERNELS_A(RB, A) {q4_rows_##RB##_##A, q8_rows_##RB##_##A, q4k_rows_##RB##_##A,         \
+                          q5k_rows_##RB##_##A, q6k_rows_##RB##_##A, f16_rows_##RB, f16_rows_##RB}
+#define KERNELS(RB) {KERNELS_A(RB, 1), KERNELS_A(RB, 2)}
 
 /* Rows per pass: as many as the vector registers hold. */
 DEFINE_ALL(1)
@@ -727,11 +750,12 @@ DEFINE_ALL(6)
 
 typedef void (*rows_fn)(ROWS_ARGS);
 
-static const rows_fn kernels[4][7] = {{0}, KERNELS(1), KERNELS(2), KERNELS(3)};
+/* [rows][activation bytes - 1][kind] */
+static const rows_fn kernels[4][2][7] = {{{0}}, KERNELS(1), KERNELS(2), KERNELS(3)};
 #if defined(FP_AVX512)
-static const rows_fn kernels_most[7] = KERNELS(6);
+static const rows_fn kernels_most[2][7] = KERNELS(6);
 #else
-static const rows_fn kernels_most[7] = KERNELS(3);
+static const rows_fn kernels_most[2][7] = KERNELS(3);
 #endif
 
 /* Tiles t0..t1 of m (one matrix of a chain) for every row of a, a band of tiles at a
@@ -745,7 +769,8 @@ static void product_tiles(const Mat *m, const Act *a, float *y, int stride, int 
         while (r < a->rows) {
             int left = a->rows - r;
             int take = left >= MOST_ROWS ? MOST_ROWS : (left > 3 ? 3 : left);
-            rows_fn fn = take == MOST_ROWS ? kernels_most[m->kind] : kernels[take][m->kind];
+            int w = a->bytes - 1;
+            rows_fn fn = take == MOST_ROWS ? kernels_most[w][m->kind] : kernels[take][w][m->kind];
             fn(m, a, r, y, stride, col, b0, b1);
             r += take;
         }
@@ -870,15 +895,16 @@ void fp_unpack_rows(const Mat *m, const int64_t *rows, int32_t count, float *out
 
 /* ---- activation buffers ----------------------------------------------------------- */
 
-static int act_reserve(Act *a, int rows, int in) {
+static int act_reserve(Act *a, int rows, int in, int bytes) {
     int groups = in / GROUP;
+    a->bytes = bytes;
     a->c = malloc((size_t)rows * in);
-    a->c2 = malloc((size_t)rows * in);
+    a->c2 = bytes == 2 ? malloc((size_t)rows * in) : NULL;
     a->d = malloc((size_t)rows * groups * sizeof(float));
     a->dsum = malloc((size_t)rows * groups * sizeof(float));
     a->csum = malloc((size_t)rows * groups * sizeof(int32_t));
     a->csum16 = malloc((size_t)rows * groups * 2 * sizeof(int32_t));
-    return a->c && a->c2 && a->d && a->dsum && a->csum && a->csum16;
+    return a->c && (a->c2 || bytes == 1) && a->d && a->dsum && a->csum && a->csum16;
 }
 
 static void act_free(Act *a) {
@@ -890,11 +916,14 @@ static void act_free(Act *a) {
     free(a->csum16);
 }
 
-/* y [rows][out] = x [rows][in] through m, on up to `threads` threads. Returns 0, or -1
- * when out of memory. */
-int fp_matmul(const Mat *m, const float *x, int32_t rows, float *y, int32_t threads) {
+/* y [rows][out] = x [rows][in] through m, its activations quantized in `act_bytes`
+ * (1 or 2) parts, on up to `threads` threads. Returns 0, -1 when out of memory, or -2
+ * for another act_bytes. */
+int fp_matmul(const Mat *m, const float *x, int32_t rows, float *y, int32_t threads,
+              int32_t act_bytes) {
     Act a;
-    if (!act_reserve(&a, rows, m->in)) {
+    if (act_bytes != 1 && act_bytes != 2) return -2;
+    if (!act_reserve(&a, rows, m->in, act_bytes)) {
         act_free(&a);
         return -1;
     }
@@ -1144,7 +1173,7 @@ static int moe_reserve(Moe *m, const Model *md, int rows) {
     m->sorted = malloc(pairs * sizeof(int32_t));
     m->count = malloc((size_t)most * sizeof(int32_t));
     m->probs = malloc((size_t)most * sizeof(float));
-    int acts = act_reserve(&m->act, (int)pairs, hidden > inner ? hidden : inner);
+    int acts = act_reserve(&m->act, (int)pairs, hidden > inner ? hidden : inner, md->act_bytes);
     return acts && m->in && m->picked && m->both && m->inner && m->result && m->weight &&
            m->chosen && m->sorted && m->count && m->probs;
 }
@@ -1163,7 +1192,7 @@ static Act act_rows(const Act *a, int first, int n) {
     v.rows = n;
     v.x = a->x + first * in;
     v.c = a->c + first * in;
-    v.c2 = a->c2 + first * in;
+    v.c2 = a->c2 ? a->c2 + first * in : NULL;
     v.d = a->d + first * groups;
     v.dsum = a->dsum + first * groups;
     v.csum = a->csum + first * groups;
@@ -1318,10 +1347,11 @@ static void finish_sublayer(const Model *md, const float *bias, const float *nor
  * the rows listed in `wanted`. Each layer writes every row's key and value before any
  * row attends, so rows of one sequence at consecutive positions (a prefill chunk)
  * see each other causally: a decode step and a prefill are the same computation, row
- * by row. Returns 0, or -1 when out of memory. */
+ * by row. Returns 0, -1 when out of memory, or -2 when act_bytes is neither 1 nor 2. */
 int fp_forward(const Model *md, int32_t rows, const int64_t *tokens, const int64_t *positions,
                const int32_t *tables, int32_t width, const int32_t *wanted, int32_t count,
                float *logits, int32_t threads) {
+    if (md->act_bytes != 1 && md->act_bytes != 2) return -2;
     int hidden = md->hidden, dim = md->head_dim, inter = md->inter;
     int q_size = md->heads * dim, kv_size = md->kv_heads * dim;
     int qkv_size = q_size + 2 * kv_size;
@@ -1344,7 +1374,7 @@ int fp_forward(const Model *md, int32_t rows, const int64_t *tokens, const int64
     int64_t *slots = malloc((size_t)rows * longest * sizeof(int64_t)); /* [rows][longest] */
     Act a;
     Moe moe;
-    int ok = act_reserve(&a, rows, widest) && x && normed && fused && attn && out && scores && slots;
+    int ok = act_reserve(&a, rows, widest, md->act_bytes) && x && normed && fused && attn && out && scores && slots;
     ok = moe_reserve(&moe, md, rows) && ok;
     if (ok) {
         for (int r = 0; r < rows; r++) /* where each row's positions are in the cache */

@@ -77,6 +77,7 @@ class ModelStruct(ctypes.Structure):
         ("expert_gate_up", ctypes.POINTER(ctypes.POINTER(Mat))),
         ("expert_down", ctypes.POINTER(ctypes.POINTER(Mat))),
         ("shared_gate", ctypes.POINTER(ctypes.c_void_p)),
+        ("act_bytes", ctypes.c_int32),
     ]
 
 
@@ -197,7 +198,8 @@ def quantized_part(weight: torch.Tensor, bits: int, tile: int, scale: float = 1.
 class NativeProduct:
     """y = x @ W.T with W in native.c's tiles: a weight format's Projection. Either a
     float matrix quantized at `bits` (4 or 8), or `parts` already packed (a GGUF's
-    blocks as shipped: adapters/engine/ggml_blocks.py), one after another in the outputs."""
+    blocks as shipped: adapters/engine/ggml_blocks.py), one after another in the outputs.
+    `act_bytes`: each product's activations in two bytes (w4a16) or one (w4a8)."""
 
     def __init__(
         self,
@@ -205,9 +207,13 @@ class NativeProduct:
         bits: int = 4,
         library: Library | None = None,
         parts: list[Part] | None = None,
+        act_bytes: int = 2,
     ) -> None:
         from adapters.engine.ggml_blocks import KINDS
 
+        if act_bytes not in (1, 2):
+            raise ValueError(f"activations of 1 or 2 bytes, not {act_bytes}")
+        self.act_bytes = act_bytes
         self.library = library or load()
         if parts is None:
             if weight is None:
@@ -238,7 +244,7 @@ class NativeProduct:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
         y = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32)
-        self.library.matmul(self.mat, flat, y)
+        self.library.matmul(self.mat, flat, y, self.act_bytes)
         return y.view(*x.shape[:-1], self.out_features)
 
     def rows(self, index: torch.Tensor, part: int = 0) -> torch.Tensor:
@@ -313,6 +319,10 @@ class NativeModel:
         products = [layer.qkv for layer in layers] + [runner.lm_head]
         if not all(isinstance(p, NativeProduct) for p in products):
             raise ValueError("the fused step needs native products")
+        widths = {p.act_bytes for p in products}
+        if len(widths) != 1:
+            raise ValueError("the fused step quantizes every product's activations alike")
+        act_bytes = widths.pop()
         self.library: Library = runner.lm_head.library
         problem = model_problem(runner.spec, runner.block_size)
         if problem:
@@ -404,6 +414,7 @@ class NativeModel:
             router=pointers([w.moe.router if w.moe else None for w in layers]),
             shared_gate=pointers([w.moe.shared_gate if w.moe else None for w in layers]),
             **experts,
+            act_bytes=act_bytes,
         )
         self._keep = keep
         self.vocab = runner.vocab_size

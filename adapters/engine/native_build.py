@@ -72,10 +72,13 @@ class Library:
     path: Path
     handle: Any  # ctypes.CDLL
 
-    def matmul(self, mat: Mat, x: torch.Tensor, y: torch.Tensor) -> None:
+    def matmul(self, mat: Mat, x: torch.Tensor, y: torch.Tensor, act_bytes: int = 2) -> None:
+        """y = x through `mat`, the activations quantized in `act_bytes` (1 or 2) bytes."""
+        if act_bytes not in (1, 2):
+            raise ValueError(f"activations of 1 or 2 bytes, not {act_bytes}")
         threads = torch.get_num_threads()
         if self.handle.fp_matmul(
-            ctypes.byref(mat), x.data_ptr(), x.shape[0], y.data_ptr(), threads
+            ctypes.byref(mat), x.data_ptr(), x.shape[0], y.data_ptr(), threads, act_bytes
         ):
             raise MemoryError("native product: out of memory")
 
@@ -133,6 +136,7 @@ def _load(wanted: str | None) -> Library:
         ctypes.c_int32,  # rows
         ctypes.c_void_p,  # y
         ctypes.c_int32,  # threads
+        ctypes.c_int32,  # activation bytes (1 or 2)
     ]
     handle.fp_unpack_rows.restype = None
     handle.fp_unpack_rows.argtypes = [

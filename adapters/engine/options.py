@@ -59,6 +59,6 @@ def serving_threads(device_type: str, weights: str) -> int | None:
     given: every core for the native format, whose threads meet a handful of times a
     layer and lose little to the event loop (engine.md: 1.5-1.6x over one thread on 2
     cores); default_threads for torch's formats."""
-    if device_type == "cpu" and weights == "w4a16":
+    if device_type == "cpu" and weights in ("w4a16", "w4a8"):
         return os.cpu_count() or 1
     return default_threads(device_type)

@@ -49,7 +49,7 @@ from adapters.engine.layers.norm import qk_norm, rms_norm
 from adapters.engine.layers.rotary import Table, at_positions, rotate_store
 from adapters.engine.loader import LayerWeights, load_weights, return_freed_heap, tensor_bytes
 from adapters.engine.spec import Layer
-from adapters.engine.weights import DENSE, FORMATS, activation_dtype
+from adapters.engine.weights import DENSE, FORMATS, NATIVE, activation_dtype
 
 if TYPE_CHECKING:
     from adapters.engine.model import LoadedModel
@@ -180,7 +180,7 @@ class Runner:
         self.check_indices = checking()
         # The native format keeps keys and values in fp16 (half the bytes attention
         # reads, and half the memory); only native.c reads or writes them then.
-        self.cache_dtype = torch.float16 if weights == "w4a16" else self.state_dtype
+        self.cache_dtype = torch.float16 if weights in NATIVE else self.state_dtype
         if num_blocks is not None:
             self.allocate(num_blocks, max_context)
 
@@ -211,7 +211,7 @@ class Runner:
         self.v_cache = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
         # The gather buffers of keys and values (layers/attention.py `read`), reused.
         self._gathered = [torch.empty(0, device=self.device) for _ in range(2)]  # k, v
-        if self.format == "w4a16":  # a whole decode step in one call (adapters/engine/native.py)
+        if self.format in NATIVE:  # a whole decode step in one call (adapters/engine/native.py)
             from adapters.engine.native import NativeModel
 
             self._native = NativeModel(self)

@@ -27,6 +27,13 @@
   fp32 copy and no requantisation; other types are requantised, and the start log
   says which. A decode step in this format is one call into C (the fused pass,
   with an fp16 KV cache): no per-operation dispatch from Python.
+- w4a8: w4a16's weights, kernels and fused pass, with every product's activations
+  quantized to one signed byte per input (per row, per group of 32, at a step of
+  the group's largest magnitude / 127), so each weight costs one integer product
+  instead of two: about half the work where the product is compute-bound (many
+  rows, prompts; AVX2 without VNNI most of all). A row's bytes are the same alone
+  or in any batch, so batch invariance and prefill = decode hold as for w4a16; only
+  the rounding of the activations differs, which the quality gate judges.
 
 Which format a CPU should use is measured, not assumed (adapters/engine/choose.py):
 what its kernels run at and whether the format passes the quality gate
@@ -40,9 +47,10 @@ from typing import Protocol
 
 import torch
 
-FORMATS = ("fp32", "bf16", "fp16", "int8", "int4", "w4a16")
+FORMATS = ("fp32", "bf16", "fp16", "int8", "int4", "w4a16", "w4a8")
 DENSE = ("fp32", "bf16", "fp16")  # W kept as it is, in the activations' dtype
-QUANTIZED = ("int8", "int4", "w4a16")
+QUANTIZED = ("int8", "int4", "w4a16", "w4a8")
+NATIVE = ("w4a16", "w4a8")  # native.c's kernels and fused step
 INT4_GROUP = 32
 
 
@@ -57,12 +65,17 @@ def activation_dtype(fmt: str) -> torch.dtype:
     products quantize fp32 activations themselves), fp16 for fp16, bf16 otherwise."""
     if fmt == "fp16":
         return torch.float16
-    return torch.float32 if fmt in ("fp32", "w4a16") else torch.bfloat16
+    return torch.float32 if fmt in ("fp32", *NATIVE) else torch.bfloat16
+
+
+def act_bytes(fmt: str) -> int:
+    """The bytes of each activation a native format's products multiply: 2 or 1."""
+    return 1 if fmt in ("w4a8", "w8a8") else 2
 
 
 def output_format(fmt: str) -> str:
     """The format of the output projection (lm_head) when the layers are in `fmt`."""
-    return {"int4": "int8", "w4a16": "w8a16"}.get(fmt, fmt)
+    return {"int4": "int8", "w4a16": "w8a16", "w4a8": "w8a8"}.get(fmt, fmt)
 
 
 def projection(weight: torch.Tensor, fmt: str) -> Projection:
@@ -77,10 +90,10 @@ def projection(weight: torch.Tensor, fmt: str) -> Projection:
         return Int8(weight)
     if fmt == "int4":
         return Int4(weight)
-    if fmt in ("w4a16", "w8a16"):  # w8a16: only as w4a16's output projection
+    if fmt in (*NATIVE, "w8a16", "w8a8"):  # w8a*: only as a native format's output projection
         from adapters.engine.native import NativeProduct
 
-        return NativeProduct(weight, 4 if fmt == "w4a16" else 8)
+        return NativeProduct(weight, 4 if fmt in NATIVE else 8, act_bytes=act_bytes(fmt))
     raise ValueError(f"unknown weight format {fmt!r}; one of {', '.join(FORMATS)}")
 
 

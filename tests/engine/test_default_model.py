@@ -73,7 +73,7 @@ def test_the_default_model_names_paris(first_load: LoadedModel) -> None:
     assert tokens[-1] in first_load.eos_token_ids  # it stopped by itself, at EOS
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "w4a16"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "w4a16", "w4a8"])
 def test_every_weight_format_still_names_paris(first_load: LoadedModel, fmt: str) -> None:
     if fmt not in working_formats(torch.device("cpu")):
         pytest.skip(f"this CPU has no working {fmt} kernel")
@@ -111,7 +111,7 @@ def _no_measuring(*args: object) -> None:
     raise AssertionError("measured again although the decision was kept")
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "w4a16"])
+@pytest.mark.parametrize("fmt", ["fp32", "w4a16", "w4a8"])
 def test_greedy_output_is_the_same_alone_and_in_a_batch(first_load: LoadedModel, fmt: str) -> None:
     if fmt not in working_formats(torch.device("cpu")):
         pytest.skip(f"this CPU has no working {fmt} kernel")
@@ -253,7 +253,7 @@ def test_the_legacy_completions_endpoint_continues_raw_text_to_paris(
         assert streamed == prompt + done.choices[0].text
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "w4a16"])
+@pytest.mark.parametrize("fmt", ["fp32", "w4a16", "w4a8"])
 def test_a_greedy_continuation_on_the_real_model_equals_the_undisturbed_run(
     first_load: LoadedModel, fmt: str
 ) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from adapters.engine.choose import working_formats
+from adapters.engine.choose import pick, working_formats
 from adapters.engine.engine import Engine, logprob_records, sample_rows
 from adapters.engine.families import UnsupportedModel
 from adapters.engine.grammar import forbidden_penalty
@@ -268,7 +268,8 @@ def test_the_engine_thread_streams_events_and_reports_a_broken_step(
 
 
 @pytest.mark.parametrize(
-    ("fmt", "bound"), [("bf16", 0.01), ("int8", 0.02), ("int4", 0.12), ("w4a16", 0.12)]
+    ("fmt", "bound"),
+    [("bf16", 0.01), ("int8", 0.02), ("int4", 0.12), ("w4a16", 0.12), ("w4a8", 0.12)],
 )
 def test_each_weight_format_stays_close_to_fp32(fmt: str, bound: float) -> None:
     torch.manual_seed(3)
@@ -277,6 +278,20 @@ def test_each_weight_format_stays_close_to_fp32(fmt: str, bound: float) -> None:
     assert torch.equal(exact, x @ weight.T)
     approx = projection(weight, fmt)(x.to(activation_dtype(fmt))).float()
     assert float((approx - exact).norm() / exact.norm()) < bound
+
+
+def test_the_format_choice_weighs_both_speeds_and_breaks_near_ties_by_perplexity() -> None:
+    quality = {"fp32": 12.33, "w4a16": 12.33, "w4a8": 12.36, "int8": 12.40}
+    # AVX2 without VNNI: one byte is clearly faster at one row and at 16
+    one, full = {"w4a16": 4.2, "w4a8": 3.7, "int8": 12.0}, {"w4a16": 37.1, "w4a8": 24.1, "int8": 48}
+    assert pick(one, full, quality) == "w4a8"
+    # AVX-512 VNNI, where the two are within 10% of each other: the better perplexity
+    one, full = {"w4a16": 3.8, "w4a8": 3.6}, {"w4a16": 16.0, "w4a8": 15.0}
+    assert pick(one, full, quality) == "w4a16"
+    # a format fast at one row but slow at full batch loses to one fast at both
+    one, full = {"int8": 3.0, "w4a8": 3.7}, {"int8": 60.0, "w4a8": 24.1}
+    assert pick(one, full, quality) == "w4a8"
+    assert pick({"fp32": 9.0}, {"fp32": 30.0}, quality) == "fp32"
 
 
 def test_int4_keeps_weights_already_on_a_q4_1_grid() -> None:
@@ -293,7 +308,7 @@ def test_int4_keeps_weights_already_on_a_q4_1_grid() -> None:
     assert float((packed - exact).norm() / exact.norm()) < 0.01  # bf16 scales, nothing else
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "w4a16"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "w4a16", "w4a8"])
 def test_every_format_runs_the_engine_and_predicts_like_fp32(
     tiny: LlamaForCausalLM, fmt: str
 ) -> None:

@@ -99,21 +99,24 @@ def _native_or_skip(loaded: LoadedModel) -> None:
         pytest.skip(f"the fused pass does not run {loaded.family}: {problem}")
 
 
+@pytest.mark.parametrize("fmt", ["w4a16", "w4a8"])
 @pytest.mark.parametrize("case", list(tiny_models.CASES))
 def test_the_native_pass_computes_the_torch_forward_of_its_packed_weights(
-    case: str, folder: Path
+    case: str, folder: Path, fmt: str
 ) -> None:
     loaded = load_model(tiny_models.saved(case, folder), quiet=True)
     _native_or_skip(loaded)
     prompt = torch.tensor(PROMPT * 3)  # 24 positions over two blocks, past the windows
-    native = Runner(loaded, 8, 16, 64, "w4a16")
-    composed = Runner(loaded, 8, 16, 64, "w4a16")
+    native = Runner(loaded, 8, 16, 64, fmt)
+    composed = Runner(loaded, 8, 16, 64, fmt)
     composed._native = None  # torch's forward over the same packed products, fp32 cache
     composed.k_cache, composed.v_cache = composed.k_cache.float(), composed.v_cache.float()
     fused, torch_forward = (r.prefill([0, 1], 0, prompt, True) for r in (native, composed))
-    assert float((fused - torch_forward).norm() / torch_forward.norm()) < 2e-3
+    # only the fp16 cache differs (one-byte activations may carry its rounding a step)
+    bound = 2e-3 if fmt == "w4a16" else 3e-2
+    assert float((fused - torch_forward).norm() / torch_forward.norm()) < bound
     # a decoded position equals the same position prefilled, bit for bit
-    stepwise = Runner(loaded, 8, 16, 64, "w4a16")
+    stepwise = Runner(loaded, 8, 16, 64, fmt)
     stepwise.prefill([0, 1], 0, prompt[:20], True)
     got = stepwise.decode(stepwise.pages([[0, 1]], 21), torch.tensor([20]), prompt[20:21])
     assert torch.equal(got[0], fused[20])

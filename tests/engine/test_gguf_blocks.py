@@ -73,11 +73,15 @@ def test_every_weight_is_ggufs_own_dequantisation(library: Library, type_name: s
     assert torch.equal(product.rows(index), expected[index])
 
 
+@pytest.mark.parametrize("act_bytes", [2, 1])
 @pytest.mark.parametrize("type_name", TYPES)
-def test_products_are_right_and_batch_invariant(library: Library, type_name: str) -> None:
+def test_products_are_right_and_batch_invariant(
+    library: Library, type_name: str, act_bytes: int
+) -> None:
     rows, cols = 45, 768
     raw = random_blocks(type_name, rows, cols, seed=3)
-    product = NativeProduct(library=library, parts=[shipped(type_name, raw, rows, cols, library)])
+    part = shipped(type_name, raw, rows, cols, library)
+    product = NativeProduct(library=library, parts=[part], act_bytes=act_bytes)
     torch.manual_seed(1)
     x = torch.randn(13, cols)
     y = product(x)
@@ -85,7 +89,7 @@ def test_products_are_right_and_batch_invariant(library: Library, type_name: str
     if type_name in ("F16", "BF16"):  # fp32 activations as they are
         exact = (x.double() @ weight.double().T).float()
     else:
-        exact = reference(weight, x).float()
+        exact = reference(weight, x, act_bytes).float()
     scale = exact.abs().max()
     assert (y - exact).abs().max() <= 2e-5 * scale
     for row in range(13):  # a row alone is computed as in the batch
@@ -125,11 +129,14 @@ def test_the_avx512_and_avx2_builds_agree_on_every_type() -> None:
     x = torch.randn(8, 512)
     for type_name in TYPES:
         raw = random_blocks(type_name, 50, 512, seed=7)
-        outputs = [
-            NativeProduct(library=lib, parts=[shipped(type_name, raw, 50, 512, lib)])(x)
-            for lib in (wide, narrow)
-        ]
-        assert torch.equal(outputs[0], outputs[1]), type_name
+        for width in (2, 1):
+            outputs = [
+                NativeProduct(
+                    library=lib, parts=[shipped(type_name, raw, 50, 512, lib)], act_bytes=width
+                )(x)
+                for lib in (wide, narrow)
+            ]
+            assert torch.equal(outputs[0], outputs[1]), (type_name, width)
 
 
 def test_which_shapes_and_types_run_as_shipped() -> None:
@@ -224,16 +231,17 @@ def loaded_gguf(path: Path, config: Any) -> Any:
                        torch.device("cpu"), config, family.name)  # fmt: skip
 
 
+@pytest.mark.parametrize("fmt", ["w4a16", "w4a8"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_gguf_runs_as_shipped_and_predicts_what_its_dequantised_weights_do(
-    tmp_path: Path, tied: bool
+    tmp_path: Path, tied: bool, fmt: str
 ) -> None:
     from adapters.engine.runner import Runner
 
     path = tmp_path / "tiny.gguf"
     config = tiny_gguf(path, tied)
     prompt = torch.tensor([5, 17, 250, 3, 99, 42, 7, 180, 64, 11, 299, 0, 128, 31, 77, 8])
-    shipped_runner = Runner(loaded_gguf(path, config), 8, 16, 64, "w4a16")
+    shipped_runner = Runner(loaded_gguf(path, config), 8, 16, 64, fmt)
     sources = shipped_runner.weight_sources
     embed = "Q8_0" if tied else "Q4_K"
     assert sources["Q5_0 -> fencepost 8-bit groups (requantised)"] == 1
@@ -243,9 +251,13 @@ def test_a_gguf_runs_as_shipped_and_predicts_what_its_dequantised_weights_do(
     assert (shipped_runner.embed_bytes() == 0) == tied  # a tied table is the head's tiles
     got = shipped_runner.prefill([0, 1], 0, prompt, every_position=True)
     fp32 = Runner(loaded_gguf(path, config), 8, 16, 64, "fp32").prefill([0, 1], 0, prompt, True)
-    # the same weights; only the activations' 16-bit integers and the fp16 cache differ
-    assert float((got - fp32).norm() / fp32.norm()) < 2e-3
-    assert torch.equal(got.argmax(dim=-1), fp32.argmax(dim=-1))
+    # the same weights; only the activations' integers and the fp16 cache differ
+    error = float((got - fp32).norm() / fp32.norm())
+    agree = int((got.argmax(dim=-1) == fp32.argmax(dim=-1)).sum())
+    if fmt == "w4a16":
+        assert error < 2e-3 and agree == len(prompt)
+    else:  # one byte a value: about 3% here (random weights), a near tie may flip
+        assert error < 6e-2 and agree >= len(prompt) - 2, (error, agree)
 
 
 def test_the_start_log_says_which_tensors_ran_as_shipped_and_which_did_not(

@@ -77,16 +77,19 @@ def test_each_expert_runs_once_a_step_over_every_row_that_chose_it() -> None:
         assert max(sum(r) for r in runs) > 1  # some expert took several rows at once
 
 
+@pytest.mark.parametrize("fmt", ["w4a16", "w4a8"])
 @pytest.mark.parametrize("case", ["qwen3-moe", "qwen2-moe-shared", "mixtral"])
-def test_a_rows_bits_are_the_same_alone_and_beside_rows_sharing_its_experts(case: str) -> None:
+def test_a_rows_bits_are_the_same_alone_and_beside_rows_sharing_its_experts(
+    case: str, fmt: str
+) -> None:
     _native_or_skip()
     built = tiny_models.model(case)
     loaded = tiny_models.loaded_of(built)
-    together = Runner(loaded, 16, 16, 64, "w4a16")
+    together = Runner(loaded, 16, 16, 64, fmt)
     tables, positions, tokens = prefilled(together)
     batch = together.decode(together.pages(tables, 16), positions, tokens)
     for row in range(len(PROMPTS)):
-        alone = Runner(loaded, 16, 16, 64, "w4a16")
+        alone = Runner(loaded, 16, 16, 64, fmt)
         alone.prefill(tables[row], 0, torch.tensor(PROMPTS[row]))
         one = alone.decode(alone.pages([tables[row]], 16), positions[row : row + 1],
                            tokens[row : row + 1])  # fmt: skip
