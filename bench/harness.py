@@ -42,6 +42,23 @@ PROMPTS = [
     "Write an essay about the importance of libraries.",
 ]
 
+# Words for long prompts: common English words, one token each to most tokenizers.
+FILLER_TEXT = (
+    "the river ran past the old mill and the town where people met each morning to "
+    "trade bread fish wool and news of the roads the hills the weather and the ships "
+    "that came in from the sea with salt iron and letters from far away"
+)
+FILLER = tuple(FILLER_TEXT.split())
+
+
+def long_prompt(index: int, words: int) -> str:
+    """A prompt of about `words` tokens, different from the first word on for each
+    `index` (so that no server reuses another request's cached prefix), ending with
+    PROMPTS' request."""
+    start = index * 7 % len(FILLER)
+    body = " ".join(FILLER[(start + k) % len(FILLER)] for k in range(words))
+    return f"Note {index}: {body}. {PROMPTS[index % len(PROMPTS)]}"
+
 
 def log_folder(bench: str) -> Path:
     """A fresh folder for this run's server logs, under $TMPDIR."""

@@ -26,6 +26,7 @@ class StreamResult:
     ttft_s: float | None = None  # request sent -> first non-empty content delta
     gaps_s: list[float] = field(default_factory=list)  # between content chunks
     completion_tokens: int = 0  # as the server's usage says; see tokens
+    prompt_tokens: int = 0  # as the server's usage says (0: it sent none)
     content_chunks: int = 0
     content: str = ""  # the streamed text, every delta joined
     finish_reason: str | None = None
@@ -157,6 +158,7 @@ def _on_frame(frame: bytes, result: StreamResult) -> bool:
         return False
     if event.get("usage"):
         result.completion_tokens = event["usage"]["completion_tokens"]
+        result.prompt_tokens = event["usage"].get("prompt_tokens", 0)
     content = False
     for choice in event.get("choices", []):
         text = choice.get("delta", {}).get("content")

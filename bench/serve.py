@@ -49,6 +49,7 @@ from bench.harness import (
     Server,
     free_port,
     log_folder,
+    long_prompt,
     percentile,
     scrape,
 )
@@ -77,6 +78,19 @@ class ServeLoad:
     weights: str = "auto"  # the server's and the engine-only run's weight format
     url: str | None = None  # drive the server there instead of starting one
     plot: Path | None = None  # a PNG of the rows (bench/plot.py), written at the end
+    prompt_tokens: int | None = None  # about this many prompt tokens a request (None: short)
+
+    @property
+    def context(self) -> int:
+        """The context each request gets (a server's slot, the engine's rows)."""
+        need = (self.prompt_tokens or 0) + self.tokens + 256  # the template and the text's slack
+        return max(2048, -(-need // 256) * 256)
+
+    def prompt(self, i: int) -> str:
+        """Request i's user message."""
+        if self.prompt_tokens:
+            return long_prompt(i, self.prompt_tokens)
+        return PROMPTS[i % len(PROMPTS)]
 
     @property
     def top(self) -> int:
@@ -143,7 +157,7 @@ async def run_level(
     level = Level(label, concurrency)
 
     def body(i: int) -> dict[str, Any]:
-        messages = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+        messages = [{"role": "user", "content": load.prompt(i)}]
         return {"model": model, "messages": messages, "max_tokens": load.tokens, "temperature": 0}
 
     fast_left = concurrency
@@ -187,16 +201,16 @@ def engine_only(load: ServeLoad) -> tuple[float, int | None]:
 
     loaded = load_model(load.model_path, quiet=True)
     asked = EngineOptions(
-        slots=load.top, max_context=2048, weights=load.weights, threads=load.threads
+        slots=load.top, max_context=load.context, weights=load.weights, threads=load.threads
     )
     built = build_engine(loaded, asked)
     engine, threads = built.engine, built.threads
     if threads is not None:  # the server's engine thread sets them on itself
         torch.set_num_threads(threads)
-    chat = ChatModel("bench", loaded.tokenizer, 2048)  # the server's own chat tokenizing
+    chat = ChatModel("bench", loaded.tokenizer, load.context)  # the server's own tokenizing
     pending = []
     for i in range(load.top * load.rounds):
-        prompt = chat.tokenize_chat([ChatMessage("user", PROMPTS[i % len(PROMPTS)])])
+        prompt = chat.tokenize_chat([ChatMessage("user", load.prompt(i))])
         pending.append(GenerationRequest(f"e{i}", tuple(prompt), load.tokens, Sampling(0.0)))
     pending.reverse()
 
@@ -288,6 +302,7 @@ def measure_fencepost(load: ServeLoad, logs: Path) -> Served:
     command += ["--model", load.model_path] if load.model_path else []
     command += ["--threads", str(load.threads)] if load.threads else []
     command += ["--weights", load.weights]
+    command += ["--max-context", str(load.context)] if load.prompt_tokens else []
     server = Server("fencepost", command, port, logs / "fencepost.log")
     served = Served()
     try:
@@ -355,7 +370,7 @@ def llama_cpp_rows(load: ServeLoad, logs: Path, threads: int | None) -> list[Lev
     threads = _engine_threads(load, threads)
     command = [load.peer_llama_cpp or sys.executable, "-m", "llama_cpp.server",
                "--model", str(gguf), "--model_alias", "bench", "--host", "127.0.0.1",
-               "--port", str(port), "--n_ctx", "2048", "--n_threads", str(threads),
+               "--port", str(port), "--n_ctx", str(load.context), "--n_threads", str(threads),
                # by default a new request interrupts the running one; clients should queue
                "--interrupt_requests", "False"]  # fmt: skip
     server = Server("llama-cpp-python", command, port, logs / "llama-cpp-python.log")
@@ -383,7 +398,7 @@ def _served_gguf(load: ServeLoad, peer: str) -> Path | None:
 def llama_server_rows(load: ServeLoad, logs: Path, threads: int) -> list[Level]:
     """llama.cpp's C++ `llama-server` on the same GGUF file, the same load at every
     level: continuous batching over as many parallel slots as the most clients, each
-    slot with the 2048-token context fencepost's requests get, `threads` threads for
+    slot with the context fencepost's requests get (load.context), `threads` threads for
     generation and for prompts alike."""
     gguf = _served_gguf(load, "llama-server")
     if gguf is None:
@@ -391,7 +406,8 @@ def llama_server_rows(load: ServeLoad, logs: Path, threads: int) -> list[Level]:
     binary = load.peer_llama_server or "llama-server"
     port, slots = free_port(), load.top
     command = [binary, "--model", str(gguf), "--alias", "bench", "--host", "127.0.0.1",
-               "--port", str(port), "--parallel", str(slots), "--ctx-size", str(2048 * slots),
+               "--port", str(port), "--parallel", str(slots),
+               "--ctx-size", str(load.context * slots),
                "--threads", str(threads), "--threads-batch", str(threads),
                "--cont-batching"]  # fmt: skip
     server = Server("llama-server", command, port, logs / f"llama-server-{threads}t.log")
@@ -459,6 +475,12 @@ def report(
                   f"TTFT p50 {mine.ttft(50):.2f} vs {peer.ttft(50):.2f} s")  # fmt: skip
     if 8 in clean:
         print(f"  TTFT p50 at 8 concurrent: {clean[8].ttft(50):.3f} s (goal <= 1 s)")
+    if load.prompt_tokens:
+        for row in [*rows, *base_rows]:
+            sent = sorted(r.prompt_tokens for r in row.results if r.prompt_tokens)
+            if sent:
+                print(f"  {row.label} at {row.concurrency}: prompts of {sent[0]}-{sent[-1]} "
+                      f"tokens, TTFT p50 {row.ttft(50):.3f} s")  # fmt: skip
     if load.mixed:
         noisy = rows[-1]
         ratio = noisy.itl(99) / clean[top].itl(99)

@@ -82,6 +82,11 @@ def _serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", default="1,8,16")
     parser.add_argument("--tokens", type=positive, default=128)
     parser.add_argument("--rounds", type=positive, default=1, help="requests per client")
+    parser.add_argument(
+        "--prompt-tokens", type=positive, default=None, metavar="N",
+        help="long prompts of about N tokens (distinct from the first word) instead of "
+        "the short chat prompts: time to first token over a prompt",
+    )  # fmt: skip
     parser.add_argument("--time-limit", type=positive, default=600, help="seconds a run")
     parser.add_argument("--mixed", action="store_true", help="add slow and hang-up clients")
     parser.add_argument("--baselines", action="store_true", help="naive and HF servers too")
@@ -137,6 +142,7 @@ def _serve(args: argparse.Namespace) -> int:
         weights=args.weights,
         url=args.url,
         plot=args.plot,
+        prompt_tokens=args.prompt_tokens,
     )
     return serve.main(load)
 

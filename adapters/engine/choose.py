@@ -121,21 +121,40 @@ def working_formats(device: torch.device, spec: ModelSpec | None = None) -> list
     return found
 
 
-# The speed trials build a model of this many layers and of half as many: the step of
-# the whole model is the smaller one's plus a layer's cost for each layer more, so no
-# candidate format ever holds all its weights at once beside the others.
-TRIAL_LAYERS = 4
+# The speed trials build a model of this many layers and of TRIAL_SMALL: the step of
+# the whole model is the larger one's plus a layer's cost for each layer more, so no
+# candidate format ever holds all its weights at once beside the others. The lever
+# matters: from 2 and 4 layers a 30-layer model's step came out anywhere from 1.0 to
+# 4.3 ms in three starts (each microsecond of noise in the difference counts 13
+# times); from 2 and 8 it counts 3.7 times. A model whose fp32 weights fit in
+# WHOLE_BYTES is timed whole: no extrapolation at all.
+TRIAL_LAYERS = 8
+TRIAL_SMALL = 2
+WHOLE_BYTES = 2 << 30
 
 
-def decode_step_s(loaded: LoadedModel, fmt: str, rows: int, repeats: int = 5) -> float:
+def fp32_bytes(spec: ModelSpec) -> int:
+    """About what the model's weights take in fp32: its products and the table(s)."""
+    total = spec.vocab * spec.hidden * (1 if spec.tie_embeddings else 2)
+    for layer in spec.layers:
+        attention = layer.attention
+        total += spec.hidden * attention.head_dim * 2 * (attention.heads + attention.kv_heads)
+        if layer.mlp is not None:
+            total += 3 * spec.hidden * layer.mlp.intermediate
+        if layer.experts is not None:
+            total += 3 * spec.hidden * layer.experts.intermediate * layer.experts.count
+    return 4 * total
+
+
+def decode_step_s(loaded: LoadedModel, fmt: str, rows: int, repeats: int = 10) -> float:
     """Seconds for one decode step of `rows` rows at position 128 on the real model in
     `fmt` (best of `repeats`): the products, norms, attention and all. A model of more
-    than TRIAL_LAYERS layers is timed with TRIAL_LAYERS and half as many, and the rest
-    of its layers added at the measured cost of a layer."""
+    than TRIAL_LAYERS layers, too large to time whole, is timed with TRIAL_LAYERS and
+    TRIAL_SMALL, and the rest of its layers added at the measured cost of a layer."""
     layers = len(loaded.spec.layers)
-    if layers <= TRIAL_LAYERS:
+    if layers <= TRIAL_LAYERS or fp32_bytes(loaded.spec) <= WHOLE_BYTES:
         return _step_s(loaded, fmt, rows, repeats, None)
-    small, large = TRIAL_LAYERS // 2, TRIAL_LAYERS
+    small, large = TRIAL_SMALL, TRIAL_LAYERS
     low = _step_s(loaded, fmt, rows, repeats, small)
     high = _step_s(loaded, fmt, rows, repeats, large)
     per_layer = max(0.0, (high - low) / (large - small))

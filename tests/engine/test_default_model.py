@@ -74,13 +74,18 @@ def test_the_default_model_names_paris(first_load: LoadedModel) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "w4a16", "w4a8"])
-def test_every_weight_format_still_names_paris(first_load: LoadedModel, fmt: str) -> None:
+def test_every_weight_format_still_names_tokyo(first_load: LoadedModel, fmt: str) -> None:
     if fmt not in working_formats(torch.device("cpu")):
         pytest.skip(f"this CPU has no working {fmt} kernel")
     eng = Engine(first_load, BatchLimits(max_seqs=2, max_context=256), weights=fmt)
-    prompt = chat(first_load, "What is the capital of France?")
+    # A question this small model answers with room to spare: fp32's top two logits are
+    # at least 0.97 apart at each of its first 12 tokens (every format's at least 0.94).
+    # France's capital is a near tie in fp32 itself (0.08 at the first token: "The" or
+    # "L'"), which one-byte activations tip the other way, as llama-server's chat does
+    # on this same file ("L'Étoile, la Marseillaise, ...").
+    prompt = chat(first_load, "What is the capital of Japan?")
     tokens = generate(eng, [GenerationRequest("q", prompt, 24)])["q"]
-    assert "Paris" in first_load.tokenizer.decode(tokens, skip_special_tokens=True)
+    assert "Tokyo" in first_load.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
 def test_the_quality_gate_scores_formats_against_fp32_and_the_choice_passes_it(
