@@ -728,35 +728,52 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
         }                                                                                  \
     }
 
-/* Every kind for RB rows: the integer kinds once per activation width (A bytes). */
-#define DEFINE_ALL(RB)                                                                     \
-    DEFINE_Q4(RB, 1) DEFINE_Q8(RB, 1) DEFINE_Q4K(RB, 1) DEFINE_Q5K(RB, 1) DEFINE_Q6K(RB, 1) \
-    DEFINE_Q4(RB, 2) DEFINE_Q8(RB, 2) DEFINE_Q4K(RB, 2) DEFINE_Q5K(RB, 2) DEFINE_Q6K(RB, 2) \
-    DEFINE_F16(RB)
+/* The integer kinds for RB rows and A activation bytes; every kind for RB rows. */
+#define DEFINE_INT(RB, A)                                                                  \
+    DEFINE_Q4(RB, A) DEFINE_Q8(RB, A) DEFINE_Q4K(RB, A) DEFINE_Q5K(RB, A) DEFINE_Q6K(RB, A)
+#define DEFINE_ALL(RB) DEFINE_INT(RB, 1) DEFINE_INT(RB, 2) DEFINE_F16(RB)
 #define KERNELS_A(RB, A) {q4_rows_##RB##_##A, q8_rows_##RB##_##A, q4k_rows_##RB##_##A,         \
                           q5k_rows_##RB##_##A, q6k_rows_##RB##_##A, f16_rows_##RB, f16_rows_##RB}
 #define KERNELS(RB) {KERNELS_A(RB, 1), KERNELS_A(RB, 2)}
+#define KERNELS_ONE(RB) {KERNELS_A(RB, 1), {0}} /* one byte only */
 
-/* Rows per pass: as many as the vector registers hold. */
+/* Rows per pass: as many as the vector registers hold, each row an accumulator and a
+ * part sum or two (A = 2 needs a third register a row). AVX-512's 32 registers: 8
+ * rows at one byte, 6 at two; AVX2's 16: 4 at one byte, 3 at two. Every count up to
+ * the most is a kernel, so a batch's last rows take one pass too (a pass reads its
+ * band's weights from cache again, and unpacks them again: fewer passes, less work).
+ * A row's operations are the same in any of them. */
 DEFINE_ALL(1)
 DEFINE_ALL(2)
 DEFINE_ALL(3)
+DEFINE_INT(4, 1)
+DEFINE_F16(4)
 #if defined(FP_AVX512)
+DEFINE_INT(4, 2)
+DEFINE_ALL(5)
 DEFINE_ALL(6)
-#define MOST_ROWS 6
+DEFINE_INT(7, 1)
+DEFINE_INT(8, 1)
+DEFINE_F16(7)
+DEFINE_F16(8)
+#define MOST_ROWS_1 8
+#define MOST_ROWS_2 6
 #else
-#define MOST_ROWS 3
+#define MOST_ROWS_1 4
+#define MOST_ROWS_2 3
 #endif
 
 typedef void (*rows_fn)(ROWS_ARGS);
 
 /* [rows][activation bytes - 1][kind] */
-static const rows_fn kernels[4][2][7] = {{{0}}, KERNELS(1), KERNELS(2), KERNELS(3)};
+static const rows_fn kernels[MOST_ROWS_1 + 1][2][7] = {
+    {{0}}, KERNELS(1), KERNELS(2), KERNELS(3),
 #if defined(FP_AVX512)
-static const rows_fn kernels_most[2][7] = KERNELS(6);
+    KERNELS(4), KERNELS(5), KERNELS(6), KERNELS_ONE(7), KERNELS_ONE(8),
 #else
-static const rows_fn kernels_most[2][7] = KERNELS(3);
+    KERNELS_ONE(4),
 #endif
+};
 
 /* Tiles t0..t1 of m (one matrix of a chain) for every row of a, a band of tiles at a
  * time: with many rows (a prefill) the band's weights stay in cache while the rows
@@ -766,11 +783,11 @@ static void product_tiles(const Mat *m, const Act *a, float *y, int stride, int 
     for (int b0 = t0; b0 < t1; b0 += band) {
         int b1 = b0 + band < t1 ? b0 + band : t1;
         int r = 0;
+        const int w = a->bytes - 1, most = w ? MOST_ROWS_2 : MOST_ROWS_1;
         while (r < a->rows) {
             int left = a->rows - r;
-            int take = left >= MOST_ROWS ? MOST_ROWS : (left > 3 ? 3 : left);
-            int w = a->bytes - 1;
-            rows_fn fn = take == MOST_ROWS ? kernels_most[w][m->kind] : kernels[take][w][m->kind];
+            int take = left < most ? left : most;
+            rows_fn fn = kernels[take][w][m->kind];
             fn(m, a, r, y, stride, col, b0, b1);
             r += take;
         }
