@@ -79,6 +79,7 @@ class ServeLoad:
     url: str | None = None  # drive the server there instead of starting one
     plot: Path | None = None  # a PNG of the rows (bench/plot.py), written at the end
     prompt_tokens: int | None = None  # about this many prompt tokens a request (None: short)
+    first_prompt: int = 0  # long prompts are numbered from here (the warm-up's apart)
 
     @property
     def context(self) -> int:
@@ -89,7 +90,7 @@ class ServeLoad:
     def prompt(self, i: int) -> str:
         """Request i's user message."""
         if self.prompt_tokens:
-            return long_prompt(i, self.prompt_tokens)
+            return long_prompt(self.first_prompt + i, self.prompt_tokens)
         return PROMPTS[i % len(PROMPTS)]
 
     @property
@@ -97,7 +98,9 @@ class ServeLoad:
         return max(self.concurrency)
 
     def warm_up(self) -> ServeLoad:
-        return dataclasses.replace(self, tokens=8, rounds=1)
+        """A short run first; its long prompts are none of the measured ones, so that no
+        server's prefix cache answers a measured prompt from the warm-up."""
+        return dataclasses.replace(self, tokens=8, rounds=1, first_prompt=1_000_000)
 
 
 @dataclass

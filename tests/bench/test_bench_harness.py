@@ -69,3 +69,20 @@ def test_bench_quality_reports_the_formats_asked_for_against_fp32() -> None:
     assert set(rows) == {"fp32", "bf16"} or "not run: bf16" in out
     assert re.search(r"^\s{2}fp32 .* pass ", out, re.MULTILINE)
     assert "gate: perplexity within 2% of fp32" in out
+
+
+def test_long_prompts_differ_from_the_first_word_and_the_warm_up_reuses_none() -> None:
+    from bench.serve import ServeLoad
+
+    load = ServeLoad(model_path=None, fake=True, concurrency=(1, 4), tokens=8, rounds=2,
+                     time_limit_s=60, mixed=False, baselines=False, threads=None,
+                     prompt_tokens=4000)  # fmt: skip
+    measured = [load.prompt(i) for i in range(8)]
+    warm = [load.warm_up().prompt(i) for i in range(4)]
+    assert len(set(measured + warm)) == 12
+    assert len({p.split()[1] for p in measured + warm}) == 12  # apart from the first words
+    assert all(3900 < len(p.split()) < 4100 for p in measured)
+    assert load.context >= 4000 + 8 and load.context % 256 == 0
+    short = ServeLoad(model_path=None, fake=True, concurrency=(1,), tokens=128, rounds=1,
+                      time_limit_s=60, mixed=False, baselines=False, threads=None)  # fmt: skip
+    assert short.context == 2048 and short.prompt(0) != short.prompt(1)
