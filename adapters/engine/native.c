@@ -1034,6 +1034,9 @@ static inline int64_t slot_of(const int32_t *table, int block_size, int64_t posi
  * per vector lane, in order, with no horizontal sum; block_size must be a multiple of
  * 16. Values (fp16) stay [slot][dim]: each position's vector is added into the
  * output, scaled, TILE dimensions at a time (head_dim is a multiple of 16). */
+/* Query heads of a group that share one pass over a key vector (registers allow). */
+#define SHARED 4
+
 static void attend_head(const Model *md, int layer, int h, const float *q, const int32_t *table,
                         const int64_t *slots, int64_t position, float *scores, float *out) {
     int dim = md->head_dim, group = md->heads / md->kv_heads, bs = md->block_size;
@@ -1044,19 +1047,38 @@ static void attend_head(const Model *md, int layer, int h, const float *q, const
     size_t head_stride = (size_t)md->slots * dim;
     size_t at = (size_t)layer * md->kv_heads * head_stride + h * head_stride;
     const uint16_t *keys = md->k_cache + at, *values = md->v_cache + at;
-    for (int j = 0; j < group; j++) {
-        const float *qj = q + (h * group + j) * dim;
-        float *s = scores + j * blocks * bs;
-        for (int64_t b = 0; b < blocks; b++) {
-            const uint16_t *kt = keys + (size_t)table[b] * bs * dim;
-            for (int o0 = 0; o0 < bs; o0 += TILE) { /* TILE floats fill a vector */
-                vf acc = VF_ZERO();
-                for (int i = 0; i < dim; i++)
-                    acc = VF_ADD(acc, VF_MUL(VF_SET1(qj[i]), VF_HALF(kt + i * bs + o0)));
-                VF_STORE(s + b * bs + o0, acc);
+    /* The group's query heads share this head's keys and values: each key vector is
+     * loaded and widened once for up to SHARED of them, and each value vector once for
+     * all of them. Every (query head, position) sum still runs over the dimensions in
+     * order, and every output over the positions in order: the same bits as one head
+     * at a time. */
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint16_t *kt = keys + (size_t)table[b] * bs * dim;
+        for (int o0 = 0; o0 < bs; o0 += TILE) { /* TILE floats fill a vector */
+            for (int j0 = 0; j0 < group; j0 += SHARED) {
+                const float *q0 = q + (h * group + j0) * dim;
+                float *s0 = scores + (size_t)j0 * blocks * bs + b * bs + o0;
+                if (group - j0 >= SHARED) {
+                    vf acc[SHARED];
+                    for (int j = 0; j < SHARED; j++) acc[j] = VF_ZERO();
+                    for (int i = 0; i < dim; i++) {
+                        vf k = VF_HALF(kt + i * bs + o0);
+                        for (int j = 0; j < SHARED; j++)
+                            acc[j] = VF_ADD(acc[j], VF_MUL(VF_SET1(q0[j * dim + i]), k));
+                    }
+                    for (int j = 0; j < SHARED; j++) VF_STORE(s0 + (size_t)j * blocks * bs, acc[j]);
+                } else {
+                    for (int j = 0; j < group - j0; j++) {
+                        vf acc = VF_ZERO();
+                        for (int i = 0; i < dim; i++)
+                            acc = VF_ADD(acc, VF_MUL(VF_SET1(q0[j * dim + i]), VF_HALF(kt + i * bs + o0)));
+                        VF_STORE(s0 + (size_t)j * blocks * bs, acc);
+                    }
+                }
             }
         }
     }
+    float inv[group];
     for (int j = 0; j < group; j++) {
         float *s = scores + j * blocks * bs;
         if (cap > 0.0f)
@@ -1069,14 +1091,20 @@ static void attend_head(const Model *md, int layer, int h, const float *q, const
         for (; p + 16 <= count; p += 16)
             for (int i = 0; i < 16; i++) part[i] += s[p + i];
         for (; p < count; p++) part[0] += s[p];
-        float inv = 1.0f / sum16(part);
+        inv[j] = 1.0f / sum16(part);
         float *o = out + (h * group + j) * dim;
         for (int i = 0; i < dim; i++) o[i] = 0.0f;
-        for (p = first; p < count; p++) {
-            const uint16_t *v = values + slots[p] * dim;
-            vf w = VF_SET1(s[p] * inv);
-            for (int d0 = 0; d0 < dim; d0 += TILE)
-                VF_STORE(o + d0, VF_ADD(VF_LOAD(o + d0), VF_MUL(w, VF_HALF(v + d0))));
+    }
+    float *o = out + h * group * dim;
+    for (int64_t p = first; p < count; p++) {
+        const uint16_t *v = values + slots[p] * dim;
+        for (int d0 = 0; d0 < dim; d0 += TILE) {
+            vf value = VF_HALF(v + d0);
+            for (int j = 0; j < group; j++) {
+                vf w = VF_SET1(scores[j * blocks * bs + p] * inv[j]);
+                float *oj = o + j * dim + d0;
+                VF_STORE(oj, VF_ADD(VF_LOAD(oj), VF_MUL(w, value)));
+            }
         }
     }
 }
