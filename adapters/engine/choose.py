@@ -13,9 +13,10 @@ had AVX2 only), so nothing is assumed. At start:
    a candidate over the gate is dropped;
 3. speed: a short microbenchmark of whole decode steps on the model itself in
    each passing format, at one row (a single stream) and at `rows` rows (a
-   full batch): a few of its layers built at a time and the rest added at the
-   measured cost of a layer (decode_step_s), so the trials never hold a second
-   copy of the model. Each format's speed is the geometric mean of its two
+   full batch), the whole model where its fp32 weights fit in WHOLE_BYTES, else
+   2 and 8 of its layers and the rest added at the measured cost of a layer
+   (decode_step_s), so the trials never hold a second copy of a large model.
+   Each format's speed is the geometric mean of its two
    step times (a stream's latency and a full batch's throughput count alike),
    and the fastest wins; formats within 10% of it count as tied, and the tie
    goes to the lowest perplexity. The margin keeps the answer the same from one

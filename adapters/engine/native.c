@@ -10,8 +10,8 @@
  * per call, and quantize() says what each costs. It multiplies integers exactly (VNNI's
  * vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd, once per byte), then scales each group's
  * integer sum in fp32. Every kernel exists for both widths (the width a constant of
- * it, so the one-byte kernels carry no test or load for a second byte). F16 and BF16 matrices multiply fp32
- * activations by their exactly widened values, one input at a time.
+ * it, so the one-byte kernels carry no test or load for a second byte). F16 and BF16
+ * matrices multiply fp32 activations by their exactly widened values, one input at a time.
  *
  * Layout: outputs are packed in tiles of TILE rows (16 with AVX-512, 8 with AVX2),
  * four inputs of each row side by side, so one vector register holds TILE rows x 4
@@ -423,7 +423,7 @@ typedef __m256i vi;
 #define U4_TO_32(acc) _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
 /* s8 x s8 as |w| times x with w's sign: at most 2 * 128 * 127, within 16 bits */
 #define PREP_S8(w) _mm256_sign_epi8(w, w)
-#define DOT_S8(acc, u, w, x)                                                              \
+#define DOT_S8(acc, u, w, x)                                                               \
     _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(x, w)), \
                                             _mm256_set1_epi16(1)))
 #define S8_BIASED 0
@@ -513,10 +513,10 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
     const Mat *m, const Act *a, int r0, float *y, int stride, int col, int t0, int t1
 
 /* RB activation rows (from r0) against tiles t0..t1 of a KIND_Q4 matrix. */
-#define DEFINE_Q4(RB, A)                                                                      \
-    static void q4_rows_##RB##_##A(ROWS_ARGS) {                                                  \
+#define DEFINE_Q4(RB, A)                                                                   \
+    static void q4_rows_##RB##_##A(ROWS_ARGS) {                                            \
         const vi low = VI_SET1B(0x0F);                                                     \
-        const int groups = m->groups, in = m->in;                                         \
+        const int groups = m->groups, in = m->in;                                          \
         for (int t = t0; t < t1; t++) {                                                    \
             const uint8_t *p = m->data + (size_t)t * tile_bytes(m);                        \
             vf acc[RB];                                                                    \
@@ -529,7 +529,7 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
                 for (int r = 0; r < RB; r++) {                                             \
                     int at = (r0 + r) * groups + g;                                        \
                     vf s = VF_MUL(scale, VF_SET1(a->d[at]));                               \
-                    vi sum = JOINED(A, U4_TO_32(high_sum[r]), U4_TO_32(low_sum[r]));         \
+                    vi sum = JOINED(A, U4_TO_32(high_sum[r]), U4_TO_32(low_sum[r]));       \
                     acc[r] = VF_FMA(VF_CVT(sum), s, acc[r]);                               \
                     acc[r] = VF_FMA(minimum, VF_SET1(a->dsum[at]), acc[r]);                \
                 }                                                                          \
@@ -540,10 +540,10 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
 
 /* RB activation rows against tiles t0..t1 of a KIND_Q4K matrix: as KIND_Q4, with each
  * group's scale d * sc and minimum dmin * m formed in fp32 (exact: 17-bit products). */
-#define DEFINE_Q4K(RB, A)                                                                     \
-    static void q4k_rows_##RB##_##A(ROWS_ARGS) {                                                 \
+#define DEFINE_Q4K(RB, A)                                                                  \
+    static void q4k_rows_##RB##_##A(ROWS_ARGS) {                                           \
         const vi low = VI_SET1B(0x0F);                                                     \
-        const int groups = m->groups, in = m->in;                                         \
+        const int groups = m->groups, in = m->in;                                          \
         for (int t = t0; t < t1; t++) {                                                    \
             const uint8_t *p = m->data + (size_t)t * tile_bytes(m);                        \
             const uint8_t *header = p;                                                     \
@@ -558,7 +558,7 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
                 for (int r = 0; r < RB; r++) {                                             \
                     int at = (r0 + r) * groups + g;                                        \
                     vf s = VF_MUL(scale, VF_SET1(a->d[at]));                               \
-                    vi sum = JOINED(A, U4_TO_32(high_sum[r]), U4_TO_32(low_sum[r]));         \
+                    vi sum = JOINED(A, U4_TO_32(high_sum[r]), U4_TO_32(low_sum[r]));       \
                     acc[r] = VF_FMA(VF_CVT(sum), s, acc[r]);                               \
                     acc[r] = VF_FNMA(minimum, VF_SET1(a->dsum[at]), acc[r]);               \
                 }                                                                          \
@@ -568,9 +568,9 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
     }
 
 /* RB activation rows (from r0) against tiles t0..t1 of a KIND_Q8 matrix. */
-#define DEFINE_Q8(RB, A)                                                                      \
-    static void q8_rows_##RB##_##A(ROWS_ARGS) {                                                  \
-        const int groups = m->groups, in = m->in;                                         \
+#define DEFINE_Q8(RB, A)                                                                   \
+    static void q8_rows_##RB##_##A(ROWS_ARGS) {                                            \
+        const int groups = m->groups, in = m->in;                                          \
         for (int t = t0; t < t1; t++) {                                                    \
             const uint8_t *p = m->data + (size_t)t * tile_bytes(m);                        \
             vf acc[RB];                                                                    \
@@ -593,7 +593,7 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
                 p += 2 * TILE;                                                             \
                 for (int r = 0; r < RB; r++) {                                             \
                     int at = (r0 + r) * groups + g;                                        \
-                    vi sum = JOINED(A, high_sum[r], low_sum[r]);                             \
+                    vi sum = JOINED(A, high_sum[r], low_sum[r]);                           \
                     if (S8_BIASED) sum = VI_SUB(sum, VI_SET1(128 * a->csum[at]));          \
                     acc[r] = VF_FMA(VF_CVT(sum), VF_MUL(scale, VF_SET1(a->d[at])), acc[r]); \
                 }                                                                          \
@@ -619,7 +619,7 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
 
 /* lo and hi of sub-block b (inputs 8b..) against RB rows' activation bytes, the
  * products widened to 32 bits at once (weights up to 63). */
-#define WIDE_DOTS(RB, A, b, lo, hi)                                                         \
+#define WIDE_DOTS(RB, A, b, lo, hi)                                                        \
     for (int r = 0; r < RB; r++) {                                                         \
         size_t at = (size_t)(r0 + r) * in + g * GROUP + 8 * (b);                           \
         high_sum[r] = DOT_U8(high_sum[r], lo, VI_BCAST32(a->c + at));                      \
@@ -632,10 +632,10 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
 
 /* RB activation rows against tiles t0..t1 of a KIND_Q5K matrix: nibbles plus a plane of
  * fifth bits (bit 2b + h of byte 4 o + j: input 8b + 4h + j), the scales as Q4_K's. */
-#define DEFINE_Q5K(RB, A)                                                                     \
-    static void q5k_rows_##RB##_##A(ROWS_ARGS) {                                                 \
+#define DEFINE_Q5K(RB, A)                                                                  \
+    static void q5k_rows_##RB##_##A(ROWS_ARGS) {                                           \
         const vi low = VI_SET1B(0x0F), bit = VI_SET1B(0x10);                               \
-        const int groups = m->groups, in = m->in;                                         \
+        const int groups = m->groups, in = m->in;                                          \
         for (int t = t0; t < t1; t++) {                                                    \
             const uint8_t *p = m->data + (size_t)t * tile_bytes(m);                        \
             const uint8_t *header = p;                                                     \
@@ -648,20 +648,20 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
                 vi high_sum[RB], low_sum[RB];                                              \
                 for (int r = 0; r < RB; r++) high_sum[r] = low_sum[r] = VI_ZERO();         \
                 WITH_HIGH(VI_LOAD(p), plane, 0, 1, bit, lo, hi);                           \
-                WIDE_DOTS(RB, A, 0, lo, hi)                                                   \
+                WIDE_DOTS(RB, A, 0, lo, hi)                                                \
                 WITH_HIGH(VI_LOAD(p + 4 * TILE), plane, 2, 3, bit, lo, hi);                \
-                WIDE_DOTS(RB, A, 1, lo, hi)                                                   \
+                WIDE_DOTS(RB, A, 1, lo, hi)                                                \
                 WITH_HIGH(VI_LOAD(p + 8 * TILE), plane, 4, 5, bit, lo, hi);                \
-                WIDE_DOTS(RB, A, 2, lo, hi)                                                   \
+                WIDE_DOTS(RB, A, 2, lo, hi)                                                \
                 WITH_HIGH(VI_LOAD(p + 12 * TILE), plane, 6, 7, bit, lo, hi);               \
-                WIDE_DOTS(RB, A, 3, lo, hi)                                                   \
+                WIDE_DOTS(RB, A, 3, lo, hi)                                                \
                 p += 20 * TILE;                                                            \
                 const uint8_t *sc = header + (4 + g % 8) * TILE;                           \
                 vf scale = VF_MUL(d, VF_U8(sc)), minimum = VF_MUL(dmin, VF_U8(sc + 8 * TILE)); \
                 for (int r = 0; r < RB; r++) {                                             \
                     int at = (r0 + r) * groups + g;                                        \
                     vf s = VF_MUL(scale, VF_SET1(a->d[at]));                               \
-                    acc[r] = VF_FMA(VF_CVT(JOINED(A, high_sum[r], low_sum[r])), s, acc[r]);  \
+                    acc[r] = VF_FMA(VF_CVT(JOINED(A, high_sum[r], low_sum[r])), s, acc[r]); \
                     acc[r] = VF_FNMA(minimum, VF_SET1(a->dsum[at]), acc[r]);               \
                 }                                                                          \
             }                                                                              \
@@ -673,10 +673,10 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
  * of the two high bits (plane v, for inputs 16v..16v+15: bits 2(2s + h) of byte
  * 4 o + j for input 16v + 8s + 4h + j), half a group at a time: its integer sum less
  * 32 times its activations' sum (q - 32, exactly), times d * sc of that half. */
-#define DEFINE_Q6K(RB, A)                                                                     \
-    static void q6k_rows_##RB##_##A(ROWS_ARGS) {                                                 \
+#define DEFINE_Q6K(RB, A)                                                                  \
+    static void q6k_rows_##RB##_##A(ROWS_ARGS) {                                           \
         const vi low = VI_SET1B(0x0F), bits = VI_SET1B(0x30);                              \
-        const int groups = m->groups, in = m->in;                                         \
+        const int groups = m->groups, in = m->in;                                          \
         for (int t = t0; t < t1; t++) {                                                    \
             const uint8_t *p = m->data + (size_t)t * tile_bytes(m);                        \
             const uint8_t *header = p;                                                     \
@@ -690,13 +690,13 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
                     vi high_sum[RB], low_sum[RB];                                          \
                     for (int r = 0; r < RB; r++) high_sum[r] = low_sum[r] = VI_ZERO();     \
                     WITH_HIGH(VI_LOAD(p + 8 * v * TILE), plane, 0, 2, bits, lo, hi);       \
-                    WIDE_DOTS(RB, A, 2 * v, lo, hi)                                           \
+                    WIDE_DOTS(RB, A, 2 * v, lo, hi)                                        \
                     WITH_HIGH(VI_LOAD(p + (8 * v + 4) * TILE), plane, 4, 6, bits, lo, hi); \
-                    WIDE_DOTS(RB, A, 2 * v + 1, lo, hi)                                       \
+                    WIDE_DOTS(RB, A, 2 * v + 1, lo, hi)                                    \
                     vf scale = VF_MUL(d, VF_S8(header + (4 + 2 * (g % 8) + v) * TILE));    \
                     for (int r = 0; r < RB; r++) {                                         \
                         int at = (r0 + r) * groups + g;                                    \
-                        vi sum = VI_SUB(JOINED(A, high_sum[r], low_sum[r]),                  \
+                        vi sum = VI_SUB(JOINED(A, high_sum[r], low_sum[r]),                \
                                         VI_SET1(32 * a->csum16[2 * at + v]));              \
                         acc[r] = VF_FMA(VF_CVT(sum), VF_MUL(scale, VF_SET1(a->d[at])), acc[r]); \
                     }                                                                      \
@@ -712,7 +712,7 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
  * activations times each input's TILE widened weights, input after input. */
 #define DEFINE_F16(RB)                                                                     \
     static void f16_rows_##RB(ROWS_ARGS) {                                                 \
-        const int in = m->in, brain = m->kind == KIND_BF16;                               \
+        const int in = m->in, brain = m->kind == KIND_BF16;                                \
         for (int t = t0; t < t1; t++) {                                                    \
             const uint8_t *p = m->data + (size_t)t * tile_bytes(m);                        \
             vf acc[RB];                                                                    \
@@ -732,7 +732,7 @@ static inline void store_rows(const Mat *m, vf *acc, int rb, float *y, int r0, i
 #define DEFINE_INT(RB, A)                                                                  \
     DEFINE_Q4(RB, A) DEFINE_Q8(RB, A) DEFINE_Q4K(RB, A) DEFINE_Q5K(RB, A) DEFINE_Q6K(RB, A)
 #define DEFINE_ALL(RB) DEFINE_INT(RB, 1) DEFINE_INT(RB, 2) DEFINE_F16(RB)
-#define KERNELS_A(RB, A) {q4_rows_##RB##_##A, q8_rows_##RB##_##A, q4k_rows_##RB##_##A,         \
+#define KERNELS_A(RB, A) {q4_rows_##RB##_##A, q8_rows_##RB##_##A, q4k_rows_##RB##_##A,     \
                           q5k_rows_##RB##_##A, q6k_rows_##RB##_##A, f16_rows_##RB, f16_rows_##RB}
 #define KERNELS(RB) {KERNELS_A(RB, 1), KERNELS_A(RB, 2)}
 #define KERNELS_ONE(RB) {KERNELS_A(RB, 1), {0}} /* one byte only */
@@ -780,10 +780,10 @@ static const rows_fn kernels[MOST_ROWS_1 + 1][2][7] = {
  * pass. */
 static void product_tiles(const Mat *m, const Act *a, float *y, int stride, int col, int t0, int t1) {
     const int band = 8;
+    const int w = a->bytes - 1, most = w ? MOST_ROWS_2 : MOST_ROWS_1;
     for (int b0 = t0; b0 < t1; b0 += band) {
         int b1 = b0 + band < t1 ? b0 + band : t1;
         int r = 0;
-        const int w = a->bytes - 1, most = w ? MOST_ROWS_2 : MOST_ROWS_1;
         while (r < a->rows) {
             int left = a->rows - r;
             int take = left < most ? left : most;
@@ -1095,15 +1095,15 @@ static void attend_head(const Model *md, int layer, int h, const float *q, const
         float *o = out + (h * group + j) * dim;
         for (int i = 0; i < dim; i++) o[i] = 0.0f;
     }
-    float *o = out + h * group * dim;
+    float *o = out + h * group * dim, weight[group];
     for (int64_t p = first; p < count; p++) {
         const uint16_t *v = values + slots[p] * dim;
+        for (int j = 0; j < group; j++) weight[j] = scores[j * blocks * bs + p] * inv[j];
         for (int d0 = 0; d0 < dim; d0 += TILE) {
             vf value = VF_HALF(v + d0);
             for (int j = 0; j < group; j++) {
-                vf w = VF_SET1(scores[j * blocks * bs + p] * inv[j]);
                 float *oj = o + j * dim + d0;
-                VF_STORE(oj, VF_ADD(VF_LOAD(oj), VF_MUL(w, value)));
+                VF_STORE(oj, VF_ADD(VF_LOAD(oj), VF_MUL(VF_SET1(weight[j]), value)));
             }
         }
     }

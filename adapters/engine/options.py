@@ -54,11 +54,15 @@ def default_threads(device_type: str) -> int | None:
     return max(1, (os.cpu_count() or 2) - 1)
 
 
+# weights.NATIVE, named again so that this module needs no torch (a test keeps them alike).
+NATIVE_FORMATS = ("w4a16", "w4a8")
+
+
 def serving_threads(device_type: str, weights: str) -> int | None:
     """The engine's threads when serving in the weight format `weights` and none were
     given: every core for the native format, whose threads meet a handful of times a
     layer and lose little to the event loop (engine.md: 1.5-1.6x over one thread on 2
     cores); default_threads for torch's formats."""
-    if device_type == "cpu" and weights in ("w4a16", "w4a8"):
+    if device_type == "cpu" and weights in NATIVE_FORMATS:
         return os.cpu_count() or 1
     return default_threads(device_type)

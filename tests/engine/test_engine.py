@@ -441,6 +441,10 @@ def test_the_command_line_offers_exactly_the_engine_formats_and_auto() -> None:
     from adapters.cli import WEIGHT_CHOICES
 
     assert ("auto", *FORMATS) == WEIGHT_CHOICES
+    from adapters.engine.options import NATIVE_FORMATS
+    from adapters.engine.weights import NATIVE
+
+    assert NATIVE_FORMATS == NATIVE
 
 
 def decoded_events(eng: Engine, requests: list[GenerationRequest]) -> dict[str, list[Decoded]]:
