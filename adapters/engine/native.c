@@ -303,13 +303,16 @@ static void quantize_rows(const float *x, int in, Act *a, int r0, int r1) {
             float d = part[0] / 127.0f;
             float inv = d > 0.0f ? 1.0f / d : 0.0f;
             int32_t hi[GROUP], lo[GROUP];
-            for (int i = 0; i < GROUP; i++) {
-                float h = round_even(xg[i] * inv); /* within +-127: |x| <= max |x| */
-                float l = round_even((xg[i] - h * d) * inv * 128.0f);
-                l = l > 127.0f ? 127.0f : (l < -127.0f ? -127.0f : l);
-                hi[i] = (int32_t)h;
-                lo[i] = (int32_t)l;
-            }
+            if (two)
+                for (int i = 0; i < GROUP; i++) {
+                    float h = round_even(xg[i] * inv); /* within +-127: |x| <= max |x| */
+                    float l = round_even((xg[i] - h * d) * inv * 128.0f);
+                    l = l > 127.0f ? 127.0f : (l < -127.0f ? -127.0f : l);
+                    hi[i] = (int32_t)h;
+                    lo[i] = (int32_t)l;
+                }
+            else /* one byte: the same high part, and no low part at all */
+                for (int i = 0; i < GROUP; i++) hi[i] = (int32_t)round_even(xg[i] * inv);
             int32_t sum = 0, half = 0;
             for (int i = 0; i < GROUP; i++) {
                 cr[g * GROUP + i] = (int8_t)hi[i];
