@@ -170,6 +170,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--response-store-mib", type=positive, default=DEFAULT_MAX_BYTES // 2**20,
         metavar="MIB", help="and at most this many MiB of them, as JSON (default %(default)s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--reasoning-field", choices=("reasoning_content", "reasoning", "both"),
+        default="reasoning_content",
+        help="where a thinking model's thinking goes in chat messages and stream deltas: "
+        "reasoning_content (DeepSeek's, llama.cpp's and SGLang's name, the default), "
+        "reasoning (vLLM's), or both",
+    )  # fmt: skip
+    parser.add_argument(
+        "--reasoning-budget", type=positive, default=None, metavar="TOKENS",
+        help="a thinking model thinks at most this many tokens unless a request's "
+        "max_reasoning_tokens says otherwise; then its thinking block is closed and the "
+        "answer begins (default: no budget)",
+    )  # fmt: skip
     deadlines = _DEADLINES
     parser.add_argument(
         "--first-token-timeout", type=float, default=deadlines.first_token_timeout_s,
@@ -233,6 +246,8 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
         limits=HttpLimits(
             body_timeout_s=args.http_body_timeout,
             store=StoreLimits(args.response_store_max, args.response_store_mib * 2**20),
+            reasoning_field=args.reasoning_field,
+            reasoning_budget=args.reasoning_budget,
         ),
         first_token_timeout_s=args.first_token_timeout,
         prefill_timeout_per_token_s=args.prefill_timeout_per_token,

@@ -93,28 +93,39 @@ class LoadedModel:
 
 
 def chat_token_ids(
-    tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: list[Any] | None = None
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    tools: list[Any] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
     """The prompt token ids for chat `messages` (and `tools`, for a template that renders
-    them) through the tokenizer's chat template, ready for the assistant's turn
+    them) through the tokenizer's chat template, ready for the assistant's turn unless
+    `add_generation_prompt` is false; `template_kwargs` (a request's
+    chat_template_kwargs, e.g. enable_thinking) are the template's own variables
     (transformers returns a list or an encoding)."""
     from jinja2.exceptions import TemplateError
 
     template = str(getattr(tokenizer, "chat_template", "") or "")
     chat = [dict(m) for m in messages]
+    extra = dict(template_kwargs or {})
     if "developer" not in template:  # OpenAI's developer role is the system prompt
         for message in chat:
             if message["role"] == "developer":
                 message["role"] = "system"
     try:
-        encoded = tokenizer.apply_chat_template(chat, tools=tools, add_generation_prompt=True)
+        encoded = tokenizer.apply_chat_template(
+            chat, tools=tools, add_generation_prompt=add_generation_prompt, **extra
+        )
     except TemplateError:
         # Templates that refuse a system turn (Gemma 2's) expect its text at the start of
         # the first user turn, as their model cards say to give it.
         if not any(m["role"] == "system" for m in chat):
             raise
         folded = _fold_system(chat)
-        encoded = tokenizer.apply_chat_template(folded, tools=tools, add_generation_prompt=True)
+        encoded = tokenizer.apply_chat_template(
+            folded, tools=tools, add_generation_prompt=add_generation_prompt, **extra
+        )
     ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
     return [int(t) for t in ids]
 

@@ -27,12 +27,18 @@ from adapters.openai.errors import OpenAIError, from_outcome
 from adapters.openai.logprobs import Entry, LogprobEntries, chat_logprobs, completion_logprobs
 from adapters.openai.metrics import Metrics
 from adapters.openai.models import ServedModel
+from adapters.openai.reasoning import REASONING, TAG, ThinkingSplit, ThinkingStart, Trimmed
 from adapters.openai.toolcalls import Call, Content, read_answer
 from adapters.openai.tools import NO_TOOLS, ToolCall, ToolSetup
 from adapters.runtime.controller import RequestStream
 from core.protocol import DeliverError, DeliverFinished, DeliverToken, Delivery, TokenLogprob
 
 DONE = b"data: [DONE]\n\n"
+REASONING_KEYS = {
+    "reasoning_content": ("reasoning_content",),
+    "reasoning": ("reasoning",),
+    "both": ("reasoning_content", "reasoning"),
+}
 FINISH_REASONS = {"eos": "stop", "length": "length"}
 
 
@@ -42,7 +48,13 @@ class TextEgress:
 
     `marked`: the text is read for tool calls, so it keeps the call syntax's markers
     that are special tokens (models.py); the reader takes them out of the content.
-    Stop strings see them, as they see every other character of the text."""
+    Stop strings see them, as they see every other character of the text.
+
+    `thinking`: the answer of a thinking model (reasoning.py). Its thinking block's
+    tokens go to a detokenizer of their own, trimmed of the whitespace at either end,
+    and come out of `take_reasoning`; the tags go to neither side; stop strings,
+    logprob entries and tool calls see the content alone, whose whitespace just
+    after the closing tag is dropped (as if part of the tag)."""
 
     def __init__(
         self,
@@ -50,12 +62,20 @@ class TextEgress:
         stops: tuple[str, ...],
         logprobs: bool = False,
         marked: bool = False,
+        thinking: ThinkingStart | None = None,
     ) -> None:
         decode = model.decode_with_markers if marked else model.decode
         self.detokenizer = IncrementalDetokenizer(decode)
         self.stop = StopMatcher(stops)
         self.completion_tokens = 0
+        self.reasoning_tokens = 0  # of completion_tokens, those of the thinking block
         self.logprobs = LogprobEntries(model.token_bytes) if logprobs else None
+        self.thinking = thinking
+        self.split = ThinkingSplit(thinking.state) if thinking is not None else None
+        self.thought = IncrementalDetokenizer(model.decode)
+        self.trim = Trimmed()
+        self.reasoning = ""  # thinking text not yet taken
+        self.after_close = False  # content's leading whitespace still to drop
 
     @property
     def stopped(self) -> bool:
@@ -63,10 +83,34 @@ class TextEgress:
 
     def token(self, token_id: int, record: TokenLogprob | None = None) -> str:
         self.completion_tokens += 1
+        if self.split is not None and self.thinking is not None:
+            route = self.split.route(self.thinking.thinking, token_id)
+            if route == REASONING:
+                self.reasoning_tokens += 1
+                self.reasoning += self.trim.push(self.thought.push(token_id))
+                return ""
+            if route == TAG:
+                self.reasoning_tokens += 1
+                if self.split.closed:
+                    self._end_thinking()
+                return ""
         text = self.detokenizer.push(token_id)
+        if self.after_close:
+            text = text.lstrip()
+            self.after_close = not text
         if self.logprobs is not None:
             self.logprobs.add(token_id, record, text)
         return self.stop.feed(text)
+
+    def _end_thinking(self) -> None:
+        self.reasoning += self.trim.push(self.thought.flush())
+        self.trim.end()
+        self.after_close = True
+
+    def take_reasoning(self) -> str:
+        """The thinking text released since the last call."""
+        text, self.reasoning = self.reasoning, ""
+        return text
 
     def entries(self, sent: str, ended: bool) -> tuple[Entry, ...]:
         """The entries that go out with `sent` (at the end: all there will be)."""
@@ -77,7 +121,12 @@ class TextEgress:
         return tuple(self.logprobs.release(sent))
 
     def finish(self) -> str:
-        text = self.stop.feed(self.detokenizer.flush())
+        if self.split is not None and self.split.state == "inside":
+            self._end_thinking()  # the answer ended inside its thinking (length)
+        text = self.detokenizer.flush()
+        if self.after_close:
+            text = text.lstrip()
+        text = self.stop.feed(text)
         return text + self.stop.flush()
 
 
@@ -88,6 +137,7 @@ class Step(NamedTuple):
     finish_reason: str | None = None  # the answer ends here: "stop" or "length"
     error: OpenAIError | None = None  # the answer ends here with this error
     entries: tuple[Entry, ...] = ()  # logprob entries of the tokens whose text this begins
+    reasoning: str = ""  # thinking text it completes (a thinking model's, reasoning.py)
 
 
 class Choice:
@@ -104,6 +154,7 @@ class Choice:
         index: int,
         stop: tuple[str, ...],
         marked: bool = False,  # read for tool calls (TextEgress)
+        thinking: ThinkingStart | None = None,  # a thinking model's answer (TextEgress)
     ) -> None:
         self.metrics = metrics
         self.stream = stream
@@ -111,7 +162,9 @@ class Choice:
         self.began = trio.current_time()
         self.last_token_at: float | None = None
         self.asks_logprobs = stream.request.logprobs is not None
-        self.egress = TextEgress(model, stop, self.asks_logprobs, marked)
+        self.egress = TextEgress(model, stop, self.asks_logprobs, marked, thinking)
+        self.thinks = thinking is not None
+        self.reasoning = ""  # the thinking text so far (the plain body's)
         self.entries: list[Entry] = []  # every entry released so far, in order
         self.outcome_recorded = False
         self.finish_reason: str | None = None
@@ -130,7 +183,11 @@ class Choice:
             metrics.inter_token.observe(now - self.last_token_at)
         self.last_token_at = now
         metrics.completion_tokens.inc()
-        return self.egress.token(token_id, record)
+        before = self.egress.reasoning_tokens
+        text = self.egress.token(token_id, record)
+        if self.egress.reasoning_tokens != before:
+            metrics.reasoning_tokens.inc()
+        return text
 
     def apply(self, item: Delivery) -> Step:
         """One delivery in, what the client gets; records the outcome when it ends.
@@ -138,6 +195,14 @@ class Choice:
         The streamed and the plain response both read deliveries through here,
         so they agree on text, stop strings and finish reasons.
         """
+        step = self._apply(item)
+        if self.thinks:
+            reasoning = self.egress.take_reasoning()
+            self.reasoning += reasoning
+            step = step._replace(reasoning=reasoning)
+        return step
+
+    def _apply(self, item: Delivery) -> Step:
         egress = self.egress
         match item:
             case DeliverToken(token_id=token_id, logprob=record):
@@ -198,6 +263,10 @@ class Answer:
         entries that go out with it."""
         raise NotImplementedError
 
+    def put_reasoning(self, queue: ClientQueue, index: int, text: str) -> None:
+        """Choice `index` thought `text` (a thinking model's, before its answer's text);
+        an API without a place for thinking drops it."""
+
     def put_finish(self, queue: ClientQueue, index: int, finish_reason: str) -> None:
         """Choice `index` ended: stream what it still holds and its end."""
         raise NotImplementedError
@@ -241,7 +310,7 @@ class ChoicesAnswer(Answer):
         base = {"id": self.id, "object": self.chunk_object, "created": self.created}
         self._base = base | {"model": model, "system_fingerprint": None}
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         # Each prompt counts once, however many choices it has (as OpenAI counts);
         # choices[::n] is the first choice of each prompt.
         prompt = sum(g.prompt_tokens for g in self.choices[:: self.n])
@@ -324,8 +393,13 @@ class ChatAnswer(ChoicesAnswer):
         n: int,
         tools: ToolSetup = NO_TOOLS,
         syntax: CallSyntax = HERMES,
+        reasoning_field: str = "reasoning_content",
     ) -> None:
         super().__init__(answer_id, model, include_usage, choices, n)
+        # Where thinking goes: reasoning_content (DeepSeek's, llama.cpp's, SGLang's
+        # name), reasoning (vLLM's since 2026), or both.
+        self.reasoning_keys = REASONING_KEYS[reasoning_field]
+        self.thinks = any(c.thinks for c in choices)
         self.tools = tools
         self.syntax = syntax
         self.names = frozenset(t.name for t in tools.callable)
@@ -351,6 +425,17 @@ class ChatAnswer(ChoicesAnswer):
 
     def delta_chunk(self, text: str, index: int, entries: Sequence[Entry] = ()) -> bytes:
         return self._chunk(index, {"content": text}, entries=entries)
+
+    def put_reasoning(self, queue: ClientQueue, index: int, text: str) -> None:
+        if text:
+            queue.put_frame(self._chunk(index, dict.fromkeys(self.reasoning_keys, text)))
+
+    def usage(self) -> dict[str, Any]:
+        usage: dict[str, Any] = super().usage()
+        if self.thinks:
+            reasoning = sum(g.egress.reasoning_tokens for g in self.choices)
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return usage
 
     def finish_chunk(self, index: int, finish_reason: str) -> bytes:
         return self._chunk(index, {}, finish_reason)
@@ -392,6 +477,8 @@ class ChatAnswer(ChoicesAnswer):
 
     def _choice(self, choice: Choice, text: str) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if choice.thinks:
+            message.update(dict.fromkeys(self.reasoning_keys, choice.reasoning or None))
         finish_reason = choice.finish_reason
         if self.tools.parses:
             content, calls = read_answer(

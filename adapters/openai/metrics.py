@@ -39,6 +39,11 @@ class Metrics:
         self.completion_tokens = Counter(
             "fencepost_completion_tokens", "Completion tokens delivered to clients", registry=r
         )
+        self.reasoning_tokens = Counter(
+            "fencepost_reasoning_tokens",
+            "Completion tokens of thinking blocks (tags included), of thinking models",
+            registry=r,
+        )
         self.active_streams = Gauge(
             "fencepost_active_requests", "Requests open at the controller", registry=r
         )

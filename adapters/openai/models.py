@@ -44,6 +44,7 @@ from adapters.engine.model import chat_token_ids
 from adapters.openai.callsyntax import HERMES, CallSyntax, detect_syntax, syntax_named
 from adapters.openai.logprobs import byte_level_decoder
 from adapters.openai.normalize import ChatMessage
+from adapters.openai.reasoning import Thinking, detect_thinking
 from adapters.openai.tool_prompt import needs_tools_rendering, render_with_tools, tool_schema
 from adapters.openai.tools import Tool
 from core.fake_model import EOS_TOKEN, VOCAB
@@ -55,11 +56,16 @@ class ServedModel(Protocol):
     vocab_size: int  # token ids are 0..vocab_size-1
     constrains: bool  # its decoders enforce a request's grammar (response_format)
     call_syntax: CallSyntax  # how it writes tool calls
+    thinking: Thinking | None  # its thinking convention (reasoning.py); None: it does not think
 
-    def tokenize(self, text: str) -> list[int]: ...
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def tokenize_chat(
-        self, messages: Sequence[ChatMessage], tools: tuple[Tool, ...] = ()
+        self,
+        messages: Sequence[ChatMessage],
+        tools: tuple[Tool, ...] = (),
+        template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
@@ -98,23 +104,35 @@ class ChatModel:
             if t.special and t.content in syntax.markers
         }
         self.call_syntax = syntax.with_special({m: i for i, m in self._markers.items()})
+        self.thinking = detect_thinking(tokenizer)
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # The tokenizer's own special tokens (a BOS where the model wants one), as
-        # other servers of the completions API do.
-        return [int(t) for t in self.tokenizer.encode(text)]
+        # other servers of the completions API do; without them for /tokenize's
+        # add_special_tokens false.
+        encoded = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return [int(t) for t in encoded]
 
     def tokenize_chat(
-        self, messages: Sequence[ChatMessage], tools: tuple[Tool, ...] = ()
+        self,
+        messages: Sequence[ChatMessage],
+        tools: tuple[Tool, ...] = (),
+        template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
+        def render(chat: list[dict[str, Any]], schemas: list[Any] | None = None) -> list[int]:
+            return chat_token_ids(
+                self.tokenizer, chat, schemas, template_kwargs, add_generation_prompt
+            )
+
         if not needs_tools_rendering(messages, tools):
-            chat = [{"role": m.role, "content": m.content} for m in messages]
-            return chat_token_ids(self.tokenizer, chat)
+            return render(
+                [_with_reasoning({"role": m.role, "content": m.content}, m) for m in messages]
+            )
         if not self.template_renders_tools:
-            chat = render_with_tools(messages, tools, self.call_syntax)
-            return chat_token_ids(self.tokenizer, chat)
+            return render(render_with_tools(messages, tools, self.call_syntax))
         schemas = [tool_schema(t) for t in tools] or None
-        return chat_token_ids(self.tokenizer, [_template_message(m) for m in messages], schemas)
+        return render([_template_message(m) for m in messages], schemas)
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
@@ -165,16 +183,22 @@ class FakeChatModel:
         # response_format that needs one is refused (400) rather than ignored.
         self.constrains = False
         self.call_syntax: CallSyntax = HERMES
+        self.thinking: Thinking | None = None  # its words hold no thinking tags
 
-    def tokenize(self, text: str) -> list[int]:
-        return [1 + (ord(c) % 30_000) for c in text]  # one per character, within VOCAB
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # One per character, within VOCAB; it has no special tokens to add.
+        return [1 + (ord(c) % 30_000) for c in text]
 
     def tokenize_chat(
-        self, messages: Sequence[ChatMessage], tools: tuple[Tool, ...] = ()
+        self,
+        messages: Sequence[ChatMessage],
+        tools: tuple[Tool, ...] = (),
+        template_kwargs: dict[str, Any] | None = None,  # no template to read them
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         chat = render_with_tools(messages, tools, self.call_syntax)
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in chat) + "<assistant>"
-        return self.tokenize(text)
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in chat)
+        return self.tokenize(text + ("<assistant>" if add_generation_prompt else ""))
 
     def decode(self, token_ids: list[int]) -> str:
         return "".join(FAKE_WORDS[t % len(FAKE_WORDS)] for t in token_ids if t != EOS_TOKEN)
@@ -201,6 +225,14 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
         ]
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
+    return _with_reasoning(out, message)
+
+
+def _with_reasoning(out: dict[str, Any], message: ChatMessage) -> dict[str, Any]:
+    """An assistant message's thinking under `reasoning_content`, the name thinking
+    templates (Qwen3's, SmolLM3's) read; the template decides whether to show it."""
+    if message.reasoning is not None:
+        out["reasoning_content"] = message.reasoning
     return out
 
 

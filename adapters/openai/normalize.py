@@ -29,10 +29,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
+from jinja2.exceptions import TemplateError
 from msgspec.structs import replace
 
 from adapters.openai.callsyntax import HERMES, CallSyntax
 from adapters.openai.errors import OpenAIError, invalid
+from adapters.openai.reasoning import AFTER, Thinking, ThinkingStart, after_thinking, start_state
 from adapters.openai.structured import response_format
 from adapters.openai.tools import Tool, ToolCall, ToolSetup, read_tool_calls, read_tools
 from core.protocol import MAX_TOP_LOGPROBS, Constraint, GenerationRequest, Sampling
@@ -51,6 +53,8 @@ class ModelInfo(msgspec.Struct, frozen=True):
     vocab_size: int
     constrains: bool = True  # its decoders can enforce a grammar (the fake model's cannot)
     call_syntax: CallSyntax = HERMES  # how it writes tool calls (its special markers bound)
+    thinking: Thinking | None = None  # its thinking convention (reasoning.py), if it thinks
+    reasoning_budget: int | None = None  # the server's thinking budget (--reasoning-budget)
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -58,6 +62,7 @@ class ChatMessage(msgspec.Struct, frozen=True):
     content: str  # "" for an assistant message that only calls tools
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning: str | None = None  # an assistant's thinking (reasoning_content or reasoning)
 
 
 class Prompt(msgspec.Struct, frozen=True):
@@ -87,6 +92,7 @@ class ChatJob(msgspec.Struct, frozen=True):
     requests: tuple[GenerationRequest, ...]  # choice i is requests[i]
     shared: Shared  # model, stream, include_usage, sampling, stop, as asked
     tools: ToolSetup  # the answer is read for tool calls when tools.parses
+    thinking: ThinkingStart | None = None  # a thinking model's: where its answers begin
 
 
 class CompletionJob(msgspec.Struct, frozen=True):
@@ -99,8 +105,10 @@ class CompletionJob(msgspec.Struct, frozen=True):
 
 
 ResolveModel = Callable[[str], ModelInfo | None]
-# (model id, messages, the tools to list in the prompt) -> token ids
-TokenizeChat = Callable[[str, Sequence[ChatMessage], tuple[Tool, ...]], list[int]]
+# (model id, messages, the tools to list in the prompt, chat_template_kwargs) -> token ids
+TokenizeChat = Callable[
+    [str, Sequence[ChatMessage], tuple[Tool, ...], dict[str, Any] | None], list[int]
+]
 Tokenize = Callable[[str, str], list[int]]  # (model id, text) -> token ids
 MAX_PROMPTS = 16  # prompts in one legacy completion request
 MAX_CHOICES = 16  # n: choices per prompt
@@ -183,15 +191,105 @@ def chat_job(
     if isinstance(messages, OpenAIError):
         return messages
     model = shared.model
-    prompt = tokenize_chat(model.id, messages, tools.prompted)
+    thinking = _thinking_fields(body, model)
+    if isinstance(thinking, OpenAIError):
+        return thinking
+    variables, thinking_budget = thinking
+    try:
+        prompt = tokenize_chat(model.id, messages, tools.prompted, variables)
+    except TemplateError as error:  # the template refused these messages or variables
+        return invalid(f"the chat template refused the request: {error}", "messages")
     budget = _budget(shared, len(prompt), None, "messages", "the messages take")
     if isinstance(budget, OpenAIError):
         return budget
     # A required call is all the answer can be, so its grammar replaces response_format's;
     # otherwise response_format's grammar (if any) holds, and the model answers in content.
     constraint = Constraint(model.call_syntax.grammar(tools)) if must_call else shared.constraint
+    start = None
+    if model.thinking is not None:
+        # A thinking model's grammar holds after its thinking block, which the budget bounds.
+        start = ThinkingStart(model.thinking, start_state(model.thinking, prompt))
+        if start.state == AFTER and "max_reasoning_tokens" in body:
+            return invalid(
+                "'max_reasoning_tokens': thinking is off for this request", "max_reasoning_tokens"
+            )
+        grammar = after_thinking(
+            start, thinking_budget, constraint.grammar if constraint is not None else None
+        )
+        constraint = Constraint(grammar) if grammar is not None else None
     requests = _choices(shared, request_id, tuple(prompt), budget, None, constraint)
-    return ChatJob(requests, shared, tools)
+    return ChatJob(requests, shared, tools, start)
+
+
+EFFORTS = ("none", "minimal", "low", "medium", "high")
+# apply_chat_template's own parameters: a template variable of one of these names would
+# collide with them (a TypeError, or another kind of result).
+TEMPLATE_PARAMETERS = frozenset(
+    {
+        "conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+        "add_generation_prompt", "continue_final_message", "sanitize_control_tokens",
+        "padding", "truncation", "max_length", "return_tensors", "return_dict",
+        "return_assistant_tokens_mask", "tokenizer_kwargs",
+    }
+)  # fmt: skip
+
+
+def template_kwargs(value: object) -> dict[str, Any] | OpenAIError | None:
+    """A request's chat_template_kwargs: an object of the template's own variables
+    (any JSON values), none of them named as apply_chat_template's parameters."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return invalid("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    for name in value:
+        if name in TEMPLATE_PARAMETERS:
+            where = f"chat_template_kwargs.{name}"
+            return invalid(f"'{where}': '{name}' is not a template variable", where)
+    return dict(value)
+
+
+def _thinking_fields(
+    body: dict[str, Any], model: ModelInfo
+) -> tuple[dict[str, Any] | None, int | None] | OpenAIError:
+    """chat_template_kwargs, reasoning_effort and max_reasoning_tokens: the template's
+    variables (effort none/minimal: enable_thinking false) and the thinking budget."""
+    kwargs = template_kwargs(body.get("chat_template_kwargs"))
+    if isinstance(kwargs, OpenAIError):
+        return kwargs
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in EFFORTS:
+            return invalid(
+                f"'reasoning_effort' must be one of {', '.join(EFFORTS)}", "reasoning_effort"
+            )
+        if model.thinking is None:
+            return invalid(
+                f"'reasoning_effort': the model '{model.id}' does not think", "reasoning_effort"
+            )
+        kwargs = kwargs or {}
+        if effort in ("none", "minimal"):
+            if not model.thinking.switchable:
+                return invalid(
+                    f"'reasoning_effort': the template of '{model.id}' cannot turn thinking off",
+                    "reasoning_effort",
+                )
+            kwargs.setdefault("enable_thinking", False)
+        else:
+            kwargs.setdefault("reasoning_effort", effort)  # for templates that read it
+    budget = body.get("max_reasoning_tokens")
+    if budget is not None:
+        if not _is_int(budget) or budget < 1:
+            return invalid(
+                "'max_reasoning_tokens' must be a positive integer", "max_reasoning_tokens"
+            )
+        if model.thinking is None:
+            return invalid(
+                f"'max_reasoning_tokens': the model '{model.id}' does not think",
+                "max_reasoning_tokens",
+            )
+    elif model.thinking is not None:
+        budget = model.reasoning_budget
+    return kwargs, budget
 
 
 def normalize_completion_request(
@@ -416,15 +514,18 @@ def _message(message: object, where: str, before: list[ChatMessage]) -> ChatMess
         if isinstance(read, OpenAIError):
             return read
         calls = read
+    reasoning = _reasoning(message, role, where)
+    if isinstance(reasoning, OpenAIError):
+        return reasoning
     raw = message.get("content")
-    if raw is None and calls:
-        content: str | OpenAIError = ""  # an assistant turn that only calls tools
+    if raw is None and (calls or reasoning is not None):
+        content: str | OpenAIError = ""  # an assistant turn that only calls tools (or thinks)
     else:
         content = text_content(raw, f"{where}.content")
     if isinstance(content, OpenAIError):
         return content
     if role != "tool":
-        return ChatMessage(role, content, calls)
+        return ChatMessage(role, content, calls, reasoning=reasoning)
     call_id = message.get("tool_call_id")
     if not isinstance(call_id, str) or not call_id:
         return invalid(
@@ -436,6 +537,21 @@ def _message(message: object, where: str, before: list[ChatMessage]) -> ChatMess
             f"{where}.tool_call_id",
         )
     return ChatMessage(role, content, (), call_id)
+
+
+def _reasoning(message: dict[str, Any], role: str, where: str) -> str | OpenAIError | None:
+    """An assistant message's thinking, under either name clients send it by
+    (`reasoning_content`, or vLLM's `reasoning`); the template decides what to show."""
+    for name in ("reasoning_content", "reasoning"):
+        value = message.get(name)
+        if value is None:
+            continue
+        if role != "assistant":
+            return invalid(f"'{where}.{name}': only assistant messages think", f"{where}.{name}")
+        if not isinstance(value, str):
+            return invalid(f"'{where}.{name}' must be a string", f"{where}.{name}")
+        return value
+    return None
 
 
 def _open_calls(before: list[ChatMessage]) -> set[str]:

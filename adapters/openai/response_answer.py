@@ -1,6 +1,9 @@
 """The Responses API's answer: a `response` object, or its typed events streamed.
 
-One choice's text becomes output items as it arrives: text opens a `message`
+A thinking model's thinking (answers.Choice routes it, reasoning.py) is the
+first item, `reasoning` (`rs_...`), with one `reasoning_text` part and an empty
+`summary`; it closes when the thinking block does, or when the answer ends.
+Then one choice's text becomes output items as it arrives: text opens a `message`
 item with one `output_text` part, a tool call (read out of the text by the
 model's call syntax, as for chat) closes any open message and is a
 `function_call` item, and text after a call opens a new message. The streamed
@@ -9,6 +12,8 @@ they hold the same items.
 
 Streamed, every change is an event, `event: <type>` plus `data: {...}`, with
 a `sequence_number` counting from 0: response.created and .in_progress;
+for the thinking output_item.added, content_part.added, reasoning_text.delta
+..., reasoning_text.done, content_part.done, output_item.done;
 per message output_item.added, content_part.added, output_text.delta ...,
 output_text.done, content_part.done, output_item.done; per call
 output_item.added, function_call_arguments.delta and .done,
@@ -16,7 +21,7 @@ output_item.done; then response.completed, or response.incomplete (the
 token budget ran out: incomplete_details.reason "max_output_tokens"), or
 response.failed with the error. Events are encoded when the client's writer
 takes them (egress.ClientQueue), which numbers them in the order they go out,
-merged text deltas included.
+merged text deltas (of the thinking or of a message) included.
 
 A finished response is stored (store.py) unless the request said store false.
 """
@@ -34,6 +39,7 @@ from adapters.openai.callsyntax import CallSyntax
 from adapters.openai.egress import ClientQueue
 from adapters.openai.errors import OpenAIError
 from adapters.openai.logprobs import Entry, chat_logprobs
+from adapters.openai.reasoning import AFTER
 from adapters.openai.responses import ResponsesJob, new_item_id
 from adapters.openai.store import ResponseStore
 from adapters.openai.toolcalls import Call, Content, Piece
@@ -63,6 +69,7 @@ class ResponseAnswer(Answer):
         self.reader = syntax.reader(names, new_call_id, setup.parallel) if setup.parses else None
         self.output: list[dict[str, Any]] = []  # the items, as they stand
         self.message: dict[str, Any] | None = None  # the message item being written
+        self.thought: dict[str, Any] | None = None  # the reasoning item being written
         self.waiting: list[Entry] = []  # logprob entries whose message is not open yet
         self.status = "in_progress"
         self.error: dict[str, Any] | None = None
@@ -74,9 +81,24 @@ class ResponseAnswer(Answer):
         self._emit(queue, "response.created", {"response": self.response()})
         self._emit(queue, "response.in_progress", {"response": self.response()})
 
+    def put_reasoning(self, queue: ClientQueue | None, index: int, text: str) -> None:
+        if not text:
+            return
+        if self.thought is None:
+            # Thinking comes before anything else the answer says (reasoning.ThinkingSplit).
+            assert not self.output, "thinking after the answer began"
+            self._open_thought(queue)
+        item = self.thought
+        assert item is not None
+        item["content"][0]["text"] += text
+        if queue is not None:
+            queue.put_delta(text, 0)  # encode_delta writes it as reasoning_text.delta
+
     def put_text(
         self, queue: ClientQueue | None, index: int, text: str, entries: Sequence[Entry] = ()
     ) -> None:
+        if self.thought is not None and self._thinking_over():
+            self._close_thought(queue)
         self.waiting += entries
         if self.reader is None:
             self._pieces(queue, [Content(text)] if text else [])
@@ -84,11 +106,13 @@ class ResponseAnswer(Answer):
             self._pieces(queue, self.reader.feed(text))
 
     def put_finish(self, queue: ClientQueue | None, index: int, finish_reason: str) -> None:
+        ended = "incomplete" if finish_reason == "length" else "completed"
+        # Thinking the token budget cut off is incomplete; any other ended with the answer.
+        self._close_thought(queue, "completed" if self._thinking_over() else ended)
         if self.reader is not None:
             self._pieces(queue, self.reader.finish())
-        if not self.output:  # nothing at all was said: one empty message
-            self._open_message(queue)
-        ended = "incomplete" if finish_reason == "length" else "completed"
+        if all(item["type"] == "reasoning" for item in self.output):
+            self._open_message(queue)  # nothing was answered: one empty message
         if self.message is not None:
             self._attach(self.message, self.waiting)
             self.waiting = []
@@ -108,12 +132,15 @@ class ResponseAnswer(Answer):
 
     def encode_delta(self, text: str, index: int) -> bytes:
         item = self.output[index]
+        if item["type"] == "reasoning":
+            return self._numbered("response.reasoning_text.delta", self._where(item, index, text))
         return self._numbered("response.output_text.delta", self._delta(item, index, text, []))
 
     # --- the plain answer ---
 
     def body(self, texts: list[str]) -> dict[str, Any]:
         choice = self.choice
+        self.put_reasoning(None, 0, choice.reasoning)
         self.put_text(None, 0, texts[0], choice.entries)
         assert choice.finish_reason is not None
         self.put_finish(None, 0, choice.finish_reason)
@@ -129,11 +156,12 @@ class ResponseAnswer(Answer):
         if done:
             prompt = self.choice.prompt_tokens
             output = self.choice.egress.completion_tokens
+            reasoning = self.choice.egress.reasoning_tokens  # 0 unless the model thinks
             usage = {
                 "input_tokens": prompt,
                 "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                 "output_tokens": output,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": reasoning},
                 "total_tokens": prompt + output,
             }
         incomplete = {"reason": "max_output_tokens"} if self.status == "incomplete" else None
@@ -152,7 +180,7 @@ class ResponseAnswer(Answer):
             "output": [dict(item) for item in self.output],
             "parallel_tool_calls": job.tool_setup.parallel,
             "previous_response_id": job.previous_response_id,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": dict(job.reasoning),
             "service_tier": "default",
             "store": job.store,
             "temperature": job.temperature,
@@ -168,6 +196,37 @@ class ResponseAnswer(Answer):
         }
 
     # --- the items ---
+
+    def _thinking_over(self) -> bool:
+        """The thinking block has closed (or this answer has none to come)."""
+        split = self.choice.egress.split
+        return split is None or split.state == AFTER
+
+    def _open_thought(self, queue: Queue) -> None:
+        item: dict[str, Any] = {
+            "id": new_item_id("rs"),
+            "type": "reasoning",
+            "summary": [],
+            "content": [],
+            "status": "in_progress",
+        }
+        self.output.append(item)
+        self.thought = item
+        self._emit(queue, "response.output_item.added", {"output_index": 0, "item": item})
+        part = {"type": "reasoning_text", "text": ""}
+        self._emit(queue, "response.content_part.added", self._where(item, 0) | {"part": part})
+        item["content"] = [part]
+
+    def _close_thought(self, queue: Queue, status: str = "completed") -> None:
+        item = self.thought
+        if item is None or item["status"] != "in_progress":
+            return
+        part = item["content"][0]
+        where = self._where(item, 0)
+        self._emit(queue, "response.reasoning_text.done", where | {"text": part["text"]})
+        self._emit(queue, "response.content_part.done", where | {"part": part})
+        item["status"] = status
+        self._emit(queue, "response.output_item.done", {"output_index": 0, "item": item})
 
     def _pieces(self, queue: Queue, pieces: list[Piece]) -> None:
         for piece in pieces:
@@ -195,6 +254,7 @@ class ResponseAnswer(Answer):
             queue.put_delta(text, index)
 
     def _open_message(self, queue: Queue) -> None:
+        self._close_thought(queue)
         item: dict[str, Any] = {
             "id": new_item_id("msg"),
             "type": "message",
@@ -229,6 +289,7 @@ class ResponseAnswer(Answer):
         self._emit(queue, "response.output_item.done", {"output_index": index, "item": item})
 
     def _call(self, queue: Queue, call: ToolCall) -> None:
+        self._close_thought(queue)
         self._close_message(queue)
         item = {
             "id": new_item_id("fc"),
@@ -254,6 +315,10 @@ class ResponseAnswer(Answer):
     def _attach(self, item: dict[str, Any], entries: list[Entry]) -> None:
         if entries and self.choice.asks_logprobs:
             item["content"][0]["logprobs"] += chat_logprobs(entries)["content"]
+
+    def _where(self, item: dict[str, Any], index: int, delta: str | None = None) -> dict[str, Any]:
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        return where if delta is None else where | {"delta": delta}
 
     def _delta(
         self, item: dict[str, Any], index: int, text: str, entries: Sequence[Entry]

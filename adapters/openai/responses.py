@@ -3,9 +3,10 @@
 The Responses API asks for what chat asks for in other words: `input` items
 instead of `messages`, `instructions` for the system message, flat function
 tools, `text.format` for `response_format`, `max_output_tokens` for
-`max_completion_tokens`, `include` for logprobs. This file reads those words,
-refuses what fencepost does not do (built-in tools, background mode,
-reasoning settings, images and files, automatic truncation) with a 400 whose
+`max_completion_tokens`, `include` for logprobs, `reasoning.effort` for
+`reasoning_effort`. This file reads those words, refuses what fencepost does
+not do (built-in tools, background mode, reasoning settings for a model that
+does not think, images and files, automatic truncation) with a 400 whose
 `param` names the field, and hands a chat-shaped body and the history to the
 chat path's own checks (normalize.chat_job), whose errors come back with the
 Responses API's field names. So the two APIs run one validation, one prompt
@@ -14,6 +15,9 @@ rendering and one set of GenerationRequests.
 A conversation continued with `previous_response_id` is the stored one's
 items (its input and its output, store.py) followed by the new input; the
 earlier response's `instructions` are not carried over, as in OpenAI's API.
+A `reasoning` item, stored or sent, is the thinking of the assistant turn
+that follows it: that message's `reasoning`, which the chat template shows or
+(most do, for turns before the last user message) drops.
 Pure: the store lookup, the model and the tokenizer are injected.
 """
 
@@ -46,6 +50,9 @@ MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = {"input_text", "output_text", "refusal"}
 MEDIA_PARTS = {"input_image", "input_file", "input_audio"}
 OUTPUT_PARTS = frozenset({"input_text", "output_text"})  # a function call's output
+SUMMARIES = ("auto", "concise", "detailed")  # reasoning.summary: accepted, none is written
+# A reasoning item's text parts: (field, part type), in the order its text is read.
+REASONING_PARTS = (("content", "reasoning_text"), ("summary", "summary_text"))
 
 Lookup = Callable[[str], "list[dict[str, Any]] | None"]  # response id -> its conversation
 
@@ -68,6 +75,7 @@ class ResponsesJob(msgspec.Struct, frozen=True):
     tools: tuple[dict[str, Any], ...]
     tool_choice: Any
     text_format: dict[str, Any]
+    reasoning: dict[str, Any]  # as echoed: {"effort", "summary"}, as asked
 
     @property
     def requests(self) -> Any:
@@ -88,11 +96,6 @@ _REFUSED: tuple[Refusal, ...] = (
     ("conversation", lambda v: True, "conversations are not supported; use previous_response_id"),
     ("prompt", lambda v: True, "prompt templates are not supported"),
     ("max_tool_calls", lambda v: True, "max_tool_calls is not supported"),
-    (
-        "reasoning",
-        lambda v: not isinstance(v, dict) or any(x is not None for x in v.values()),
-        "this model does not reason; reasoning settings are not supported",
-    ),
     ("truncation", lambda v: v != "disabled", "only 'disabled' is supported"),
 )
 
@@ -104,6 +107,7 @@ _RENAMES = (
     (re.compile(r"\b(tools\[\d+\])\.function\b"), r"\1"),
     (re.compile(r"\btool_choice\.function\b"), "tool_choice"),
     (re.compile(r"\bmessages\b"), "input"),
+    (re.compile(r"\breasoning_effort\b"), "reasoning.effort"),
 )
 
 
@@ -149,6 +153,9 @@ def normalize_responses_request(
     text_format = _text_format(body.get("text"))
     if isinstance(text_format, OpenAIError):
         return text_format
+    reasoning = _reasoning(body.get("reasoning"), body.get("model"), resolve_model)
+    if isinstance(reasoning, OpenAIError):
+        return reasoning
     new_items = _input(body.get("input"))
     if isinstance(new_items, OpenAIError):
         return new_items
@@ -173,6 +180,7 @@ def normalize_responses_request(
         ("top_p", "top_p"),
         ("max_output_tokens", "max_completion_tokens"),
         ("parallel_tool_calls", "parallel_tool_calls"),
+        ("max_reasoning_tokens", "max_reasoning_tokens"),  # fencepost's, as chat's
     ):
         if body.get(theirs) is not None:
             chat_body[ours] = body[theirs]
@@ -181,6 +189,8 @@ def normalize_responses_request(
     chat_body["response_format"] = _chat_format(text_format)
     if logprobs:
         chat_body |= {"logprobs": True, "top_logprobs": top}
+    if reasoning["effort"] is not None:
+        chat_body["reasoning_effort"] = reasoning["effort"]
     job = chat_job(
         chat_body,
         lambda: _messages(items, instructions, len(earlier)),
@@ -206,6 +216,7 @@ def normalize_responses_request(
         tuple(tools),
         "auto" if tool_choice is None else tool_choice,
         text_format,
+        reasoning,
     )
 
 
@@ -252,6 +263,39 @@ def _scalars(
             f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}", "top_logprobs"
         )
     return instructions, store is not False, metadata, user, LOGPROBS in include, top or 0
+
+
+def _reasoning(
+    value: object, model_name: object, resolve_model: ResolveModel
+) -> dict[str, Any] | OpenAIError:
+    """`reasoning` as echoed: effort (chat's reasoning_effort checks its value) and
+    summary (accepted; no summary is written). Any setting needs a model that thinks."""
+    echo: dict[str, Any] = {"effort": None, "summary": None}
+    if value is None:
+        return echo
+    if not isinstance(value, dict):
+        return invalid("'reasoning' must be an object", "reasoning")
+    for key, setting in value.items():
+        if setting is not None and key not in ("effort", "summary", "generate_summary"):
+            return invalid(f"'reasoning.{key}' is not supported", f"reasoning.{key}")
+    summary = value.get("summary")
+    if summary is None:
+        summary = value.get("generate_summary")  # its older name
+    echo = {"effort": value.get("effort"), "summary": summary}
+    if echo == {"effort": None, "summary": None}:
+        return echo
+    model = resolve_model(model_name) if isinstance(model_name, str) else None
+    if model is not None and model.thinking is None:
+        return invalid(
+            f"'reasoning': the model '{model.id}' does not think; "
+            "reasoning settings are not supported",
+            "reasoning",
+        )
+    if summary is not None and summary not in SUMMARIES:
+        return invalid(
+            f"'reasoning.summary' must be one of {', '.join(SUMMARIES)}", "reasoning.summary"
+        )
+    return echo
 
 
 def _tools(value: object) -> list[dict[str, Any]] | OpenAIError:
@@ -395,12 +439,49 @@ def _item(item: object, where: str) -> dict[str, Any] | OpenAIError:
             "output": output,
             "status": "completed",
         }
+    if kind == "reasoning":
+        return _reasoning_item(item, where)
     what = f"'{kind}' items are" if isinstance(kind, str) else "this item is"
     return invalid(
-        f"'{where}.type': {what} not supported; only message, function_call and "
-        "function_call_output",
+        f"'{where}.type': {what} not supported; only message, function_call, "
+        "function_call_output and reasoning",
         f"{where}.type",
     )
+
+
+def _reasoning_item(item: dict[str, Any], where: str) -> dict[str, Any] | OpenAIError:
+    """A reasoning item as sent back: its text parts (`encrypted_content`, another
+    server's, cannot be read and is not kept)."""
+    read: dict[str, list[dict[str, str]]] = {}
+    for field, part_type in REASONING_PARTS:
+        value = item.get(field)
+        if value is None:
+            value = []
+        if not isinstance(value, list):
+            return invalid(f"'{where}.{field}' must be an array", f"{where}.{field}")
+        for j, part in enumerate(value):
+            at = f"{where}.{field}[{j}]"
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != part_type
+                or not isinstance(part.get("text"), str)
+            ):
+                return invalid(f"'{at}' must be a {part_type} part with a string text", at)
+        read[field] = [{"type": part_type, "text": part["text"]} for part in value]
+    item_id = item.get("id")
+    return {
+        "id": item_id if isinstance(item_id, str) and item_id else new_item_id("rs"),
+        "type": "reasoning",
+        "summary": read["summary"],
+        "content": read["content"],
+        "status": "completed",
+    }
+
+
+def reasoning_text(item: dict[str, Any]) -> str:
+    """A reasoning item's thinking: its reasoning text, else its summary's."""
+    content = "".join(part["text"] for part in item.get("content") or [])
+    return content or "\n\n".join(part["text"] for part in item.get("summary") or [])
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any] | OpenAIError:
@@ -439,15 +520,24 @@ def _messages(
     items: list[dict[str, Any]], instructions: str | None, earlier: int
 ) -> list[ChatMessage] | OpenAIError:
     """The chat history the items mean: consecutive calls are one assistant turn (with
-    the text before them), an output answers a call made before it."""
+    the text before them), an output answers a call made before it, and reasoning
+    is the thinking of the assistant message or call that comes next."""
     messages: list[ChatMessage] = []
     if instructions:
         messages.append(ChatMessage("system", instructions))
     calls: set[str] = set()
+    thought: list[str] = []  # reasoning items' text, waiting for their turn
+    thought_at: str | None = None  # where the first of them is
     for i, item in enumerate(items):
         where = f"input[{i - earlier}]"
         kind = item["type"]
-        if kind == "message":
+        assistant = kind == "function_call" or (kind == "message" and item["role"] == "assistant")
+        if thought_at is not None and not assistant and kind != "reasoning":
+            return _unanswered(thought_at)
+        if kind == "reasoning":
+            thought.append(reasoning_text(item))
+            thought_at = thought_at or where
+        elif kind == "message":
             text = "".join(p["text"] for p in item["content"])
             messages.append(ChatMessage(item["role"], text))
         elif kind == "function_call":
@@ -466,6 +556,21 @@ def _messages(
                     f"{where}.call_id",
                 )
             messages.append(ChatMessage("tool", item["output"], (), item["call_id"]))
+        if assistant and thought_at is not None:
+            last = messages[-1]
+            texts = [t for t in (last.reasoning, *thought) if t]
+            messages[-1] = replace(last, reasoning="\n\n".join(texts) or None)
+            thought, thought_at = [], None
+    if thought_at is not None:
+        return _unanswered(thought_at)
     if not any(m.role != "system" for m in messages):
         return invalid("'input' must hold at least one message or item", "input")
     return messages
+
+
+def _unanswered(where: str) -> OpenAIError:
+    return invalid(
+        f"'{where}': a reasoning item must be followed by the assistant message or "
+        "function_call it thought for",
+        where,
+    )

@@ -1,5 +1,6 @@
 """The HTTP app: /v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health,
-/live, /metrics, /dashboard (with /dashboard.json, its data: dashboard.py).
+/live, /metrics, /dashboard (with /dashboard.json, its data: dashboard.py), and /tokenize
+and /detokenize (tokenizing.py), which count tokens without generating.
 
 Served on Quart-trio. The three generating APIs differ only in the JSON they
 read (normalize.py, responses.py) and write (answers.py, response_answer.py);
@@ -65,6 +66,7 @@ from adapters.openai.normalize import (
 from adapters.openai.response_answer import ResponseAnswer
 from adapters.openai.responses import ResponsesJob, normalize_responses_request
 from adapters.openai.store import ResponseStore, StoreLimits
+from adapters.openai.tokenizing import detokenize, tokenize
 from adapters.openai.tools import Tool
 from adapters.runtime.controller import Controller, RequestStream
 from core.protocol import DeliverError, GenerationRequest
@@ -72,6 +74,8 @@ from core.protocol import DeliverError, GenerationRequest
 log = logging.getLogger("fencepost.http")
 
 J = TypeVar("J", ChatJob, CompletionJob, ResponsesJob)  # what a request normalizes to
+# (body, model) -> the answer of /tokenize or /detokenize, or its refusal
+CountAnswer = Callable[[dict[str, Any], ServedModel], dict[str, Any] | OpenAIError]
 
 
 @dataclass
@@ -80,6 +84,8 @@ class HttpLimits:
     body_timeout_s: float = 30.0  # a declared body must arrive within this (else 408)
     client: ClientLimits = field(default_factory=ClientLimits)
     store: StoreLimits = field(default_factory=StoreLimits)  # stored Responses
+    reasoning_field: str = "reasoning_content"  # thinking's key: or "reasoning", "both"
+    reasoning_budget: int | None = None  # thinking tokens when a request names none
 
 
 def error_response(error: OpenAIError) -> Response:
@@ -183,6 +189,8 @@ class FencepostApp:
         app.add_url_rule(f"{one}/input_items", view_func=self.input_items, methods=["GET"])
         app.add_url_rule("/v1/models", view_func=self.list_models, methods=["GET"])
         app.add_url_rule("/v1/models/<path:model_id>", view_func=self.get_model, methods=["GET"])
+        app.add_url_rule("/tokenize", view_func=self.tokenize, methods=["POST"])
+        app.add_url_rule("/detokenize", view_func=self.detokenize, methods=["POST"])
         app.add_url_rule("/health", view_func=self.health, methods=["GET"])
         app.add_url_rule("/live", view_func=self.live, methods=["GET"])
         app.add_url_rule("/metrics", view_func=self.render_metrics, methods=["GET"])
@@ -284,6 +292,7 @@ class FencepostApp:
             shared.n,
             job.tools,
             shared.model.call_syntax,
+            self.limits.reasoning_field,
         )
         return await self._respond(answer, shared.stream)
 
@@ -308,6 +317,41 @@ class FencepostApp:
             answer_id, model.id, shared.include_usage, choices, shared.n, echoes
         )
         return await self._respond(answer, shared.stream)
+
+    # --- counting tokens: nothing is generated, nothing reaches the controller ---
+
+    async def tokenize(self) -> Response:
+        """POST /tokenize: a prompt's or a conversation's tokens (tokenizing.py)."""
+        return await self._count(tokenize)
+
+    async def detokenize(self) -> Response:
+        """POST /detokenize: token ids' text (tokenizing.py)."""
+        return await self._count(detokenize)
+
+    async def _count(self, answer: CountAnswer) -> Response:
+        body = await self._json_body()
+        if isinstance(body, OpenAIError):
+            return error_response(body)
+        if not isinstance(body, dict):
+            return error_response(invalid("the request body must be a JSON object"))
+        model = self._pick_model(body.get("model"))
+        if isinstance(model, OpenAIError):
+            return error_response(model)
+        result = answer(body, model)
+        if isinstance(result, OpenAIError):
+            return error_response(result)
+        return json_response(result)
+
+    def _pick_model(self, name: object) -> ServedModel | OpenAIError:
+        """The model `name`s; without a name, the one served, if only one is."""
+        if name is None and len(self.models) == 1:
+            return next(iter(self.models.values()))
+        if name is None:
+            return invalid("'model' is required: several models are served", "model")
+        if not isinstance(name, str) or not name:
+            return invalid("'model' must be a non-empty string", "model")
+        model = self.models.get(name)
+        return model if model is not None else _model_not_found(name)
 
     # --- the Responses API ---
 
@@ -388,14 +432,16 @@ class FencepostApp:
             return streams
         shared = job.shared
         model = self.models[shared.model.id]
+        thinking = None
         if isinstance(job, ChatJob):
-            marked = job.tools.parses
+            marked, thinking = job.tools.parses, job.thinking
         elif isinstance(job, ResponsesJob):
-            marked = job.tool_setup.parses
+            marked, thinking = job.tool_setup.parses, job.chat.thinking
         else:
             marked = False
         choices = [
-            Choice(self.metrics, model, s, i, shared.stop, marked) for i, s in enumerate(streams)
+            Choice(self.metrics, model, s, i, shared.stop, marked, thinking)
+            for i, s in enumerate(streams)
         ]
         return answer_id, job, choices
 
@@ -439,13 +485,23 @@ class FencepostApp:
         if model is None:
             return None
         return ModelInfo(
-            model.id, model.max_context, model.vocab_size, model.constrains, model.call_syntax
+            model.id,
+            model.max_context,
+            model.vocab_size,
+            model.constrains,
+            model.call_syntax,
+            model.thinking,
+            self.limits.reasoning_budget,
         )
 
     def _tokenize_chat(
-        self, model_id: str, messages: Sequence[ChatMessage], tools: tuple[Tool, ...]
+        self,
+        model_id: str,
+        messages: Sequence[ChatMessage],
+        tools: tuple[Tool, ...],
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        return self.models[model_id].tokenize_chat(messages, tools)
+        return self.models[model_id].tokenize_chat(messages, tools, template_kwargs)
 
     def _tokenize(self, model_id: str, text: str) -> list[int]:
         return self.models[model_id].tokenize(text)
@@ -517,6 +573,7 @@ class FencepostApp:
                 if siblings.cancel_called:  # a sibling failed: nothing more goes out
                     return
                 step = choice.apply(item)
+                answer.put_reasoning(queue, choice.index, step.reasoning)
                 answer.put_text(queue, choice.index, step.text, step.entries)
                 if step.error is not None:
                     answer.put_error(queue, step.error)

@@ -28,7 +28,12 @@ from core.protocol import Sampling
 MODEL = ModelInfo("m", max_context=100, vocab_size=1000)
 
 
-def tokenize(model_id: str, messages: Sequence[ChatMessage], tools: tuple[Tool, ...]) -> list[int]:
+def tokenize(
+    model_id: str,
+    messages: Sequence[ChatMessage],
+    tools: tuple[Tool, ...],
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
     # one token per character, so tests can size prompts exactly
     return [1] * sum(len(m.content) + 2 for m in messages)
 

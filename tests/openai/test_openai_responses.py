@@ -431,7 +431,7 @@ def test_a_client_that_leaves_cancels_the_generation() -> None:
          "input[0].content[0]"),
         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
          "input[0].content[0]"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),  # no turn after it
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
                     {"type": "function_call_output", "call_id": "c",

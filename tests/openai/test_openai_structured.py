@@ -57,7 +57,9 @@ def json_schema(schema: Any = SCHEMA, **spec: Any) -> dict[str, Any]:
 
 def chat(fields: dict[str, Any], model: ModelInfo = MODEL) -> ChatJob | OpenAIError:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]} | fields
-    return normalize_chat_request(body, {"m": model}.get, lambda m, msgs, tools: [1, 2, 3], "r")
+    return normalize_chat_request(
+        body, {"m": model}.get, lambda m, msgs, tools, kwargs=None: [1, 2, 3], "r"
+    )
 
 
 @pytest.mark.parametrize(

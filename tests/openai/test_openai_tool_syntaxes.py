@@ -432,7 +432,10 @@ def test_the_hermes_grammar_is_the_one_it_always_was(mistral_vocabulary: Any) ->
 
 def test_a_required_call_is_held_to_the_grammar_of_the_models_syntax() -> None:
     def tokenize(
-        model_id: str, messages: Sequence[ChatMessage], tools: tuple[Tool, ...]
+        model_id: str,
+        messages: Sequence[ChatMessage],
+        tools: tuple[Tool, ...],
+        template_kwargs: object = None,
     ) -> list[int]:
         return [1, 2, 3]
 

@@ -127,7 +127,12 @@ MODEL = ModelInfo("m", max_context=4000, vocab_size=1000)
 seen_tools: list[tuple[Tool, ...]] = []
 
 
-def tokenize(model_id: str, messages: Sequence[ChatMessage], tools: tuple[Tool, ...]) -> list[int]:
+def tokenize(
+    model_id: str,
+    messages: Sequence[ChatMessage],
+    tools: tuple[Tool, ...],
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
     seen_tools.append(tools)
     return FakeChatModel().tokenize_chat(messages, tools)
 
