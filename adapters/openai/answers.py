@@ -27,7 +27,7 @@ from adapters.openai.errors import OpenAIError, from_outcome
 from adapters.openai.logprobs import Entry, LogprobEntries, chat_logprobs, completion_logprobs
 from adapters.openai.metrics import Metrics
 from adapters.openai.models import ServedModel
-from adapters.openai.reasoning import REASONING, TAG, ThinkingSplit, ThinkingStart, Trimmed
+from adapters.openai.reasoning import INSIDE, REASONING, TAG, ThinkingSplit, ThinkingStart, Trimmed
 from adapters.openai.toolcalls import Call, Content, read_answer
 from adapters.openai.tools import NO_TOOLS, ToolCall, ToolSetup
 from adapters.runtime.controller import RequestStream
@@ -70,8 +70,7 @@ class TextEgress:
         self.completion_tokens = 0
         self.reasoning_tokens = 0  # of completion_tokens, those of the thinking block
         self.logprobs = LogprobEntries(model.token_bytes) if logprobs else None
-        self.thinking = thinking
-        self.split = ThinkingSplit(thinking.state) if thinking is not None else None
+        self.split = ThinkingSplit(thinking) if thinking is not None else None
         self.thought = IncrementalDetokenizer(model.decode)
         self.trim = Trimmed()
         self.reasoning = ""  # thinking text not yet taken
@@ -83,8 +82,8 @@ class TextEgress:
 
     def token(self, token_id: int, record: TokenLogprob | None = None) -> str:
         self.completion_tokens += 1
-        if self.split is not None and self.thinking is not None:
-            route = self.split.route(self.thinking.thinking, token_id)
+        if self.split is not None:
+            route = self.split.route(token_id)
             if route == REASONING:
                 self.reasoning_tokens += 1
                 self.reasoning += self.trim.push(self.thought.push(token_id))
@@ -121,7 +120,7 @@ class TextEgress:
         return tuple(self.logprobs.release(sent))
 
     def finish(self) -> str:
-        if self.split is not None and self.split.state == "inside":
+        if self.split is not None and self.split.state == INSIDE:
             self._end_thinking()  # the answer ended inside its thinking (length)
         text = self.detokenizer.flush()
         if self.after_close:

@@ -209,7 +209,7 @@ def chat_job(
     if model.thinking is not None:
         # A thinking model's grammar holds after its thinking block, which the budget bounds.
         start = ThinkingStart(model.thinking, start_state(model.thinking, prompt))
-        if start.state == AFTER and "max_reasoning_tokens" in body:
+        if start.state == AFTER and body.get("max_reasoning_tokens") is not None:
             return invalid(
                 "'max_reasoning_tokens': thinking is off for this request", "max_reasoning_tokens"
             )

@@ -114,11 +114,13 @@ class ThinkingSplit:
     every other token is thinking. AFTER: everything is content. The tags
     themselves are neither (TAG)."""
 
-    def __init__(self, state: str) -> None:
-        self.state = state
+    def __init__(self, start: ThinkingStart) -> None:
+        self.thinking = start.thinking
+        self.state = start.state
         self.closed = False  # the block closed in this answer (its last token so far)
 
-    def route(self, thinking: Thinking, token: int) -> str:
+    def route(self, token: int) -> str:
+        thinking = self.thinking
         self.closed = False
         if self.state == BEFORE:
             if token == thinking.open_id:
