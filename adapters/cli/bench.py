@@ -389,6 +389,21 @@ def _attack(args: argparse.Namespace) -> int:
     )
 
 
+def _store_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--stores", default="memory,sqlite:TEMP",
+        help="comma-separated state stores to compare (sqlite:TEMP: a file in a temporary "
+        "folder; add a postgresql:// URL to measure PostgreSQL) (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--responses", type=positive, default=1000, help="per kind and store")
+
+
+def _store(args: argparse.Namespace) -> int:
+    from bench import store
+
+    return store.main([s for s in args.stores.split(",") if s], args.responses)
+
+
 BENCHES = (
     Bench("router", "fenced token deliveries/s through Router.handle", _router_flags, _router),
     Bench(
@@ -423,6 +438,12 @@ BENCHES = (
         _naive_server,
     ),
     Bench("engine", "decode engine vs HF generate, tokens/s", _engine_flags, _engine),
+    Bench(
+        "store",
+        "the latency a stored response adds, per state store (memory, SQLite, PostgreSQL)",
+        _store_flags,
+        _store,
+    ),
     Bench(
         "memory",
         "resident memory a model costs as serving loads it, per weight format",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import secrets
 import signal
 from dataclasses import dataclass
@@ -45,12 +46,19 @@ from adapters.openai.auth import ENV_KEYS, ApiKeyError, ApiKeys, gather_keys
 from adapters.openai.front import FrontDoor, serve_http
 from adapters.openai.models import ChatModel, FakeChatModel, ServedModel
 from adapters.openai.server import FencepostApp, HttpLimits
-from adapters.openai.store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES, StoreLimits
 from adapters.runtime.controller import Controller
 from adapters.runtime.embedded import run_local_worker
 from adapters.runtime.tcp_router import serve_workers
 from adapters.runtime.tls import Credentials, TlsError, TlsFiles, server_context
 from adapters.runtime.worker_host import Decoder, FakeOptions, make_decoder
+from adapters.state import StateStore, StoreLimits, StoreUnavailable, open_store, parse_store
+from adapters.state.store import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_RECORDS,
+    DEFAULT_TTL_S,
+    ENV_STORE,
+    default_sqlite_path,
+)
 from core.config import RouterConfig
 from core.fake_model import FAKE_CONTEXT
 from core.worker import WorkerConfig
@@ -95,6 +103,7 @@ class ServeOptions:
     metrics_public: bool = False
     tls: TlsFiles | None = None  # mutual TLS on the worker port
     router_id: str | None = None  # a prefix for the drawn id (None: the drawn id alone)
+    state_store: str = "memory"  # --state-store (the command line's default: a SQLite file)
 
     @property
     def engine(self) -> EngineOptions:
@@ -162,13 +171,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a request body must arrive within this, else 408 (default %(default)s)",
     )  # fmt: skip
     parser.add_argument(
-        "--response-store-max", type=natural, default=DEFAULT_MAX_RESPONSES, metavar="N",
-        help="stored /v1/responses kept in memory for GET and previous_response_id, least "
-        "recently used out first (default %(default)s; 0 stores none)",
+        "--state-store", default=None, metavar="STORE",
+        help="where stored responses and chat completions live: sqlite:PATH (the default: "
+        f"sqlite:{default_sqlite_path()}, kept across restarts), postgresql://USER@HOST/DB "
+        "(shared by several routers: any of them continues any conversation), or memory "
+        f"(forgotten at exit). ${ENV_STORE} is read when the flag is absent: put a "
+        "password there, not on the command line",
+    )  # fmt: skip
+    parser.add_argument(
+        "--response-store-max", type=natural, default=DEFAULT_MAX_RECORDS, metavar="N",
+        help="stored responses and chat completions kept, the oldest finished out first "
+        "(default %(default)s; 0 stores none)",
     )  # fmt: skip
     parser.add_argument(
         "--response-store-mib", type=positive, default=DEFAULT_MAX_BYTES // 2**20,
-        metavar="MIB", help="and at most this many MiB of them, as JSON (default %(default)s)",
+        metavar="MIB", help="and at most this many MiB of them, as JSON with their stream "
+        "events (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--response-store-ttl", type=float, default=DEFAULT_TTL_S, metavar="SECONDS",
+        help="and none older than this (default %(default).0f: 30 days)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rejoin-grace", type=float, default=30.0, metavar="SECONDS",
+        help="a stored stream whose client left goes on this long for it to rejoin "
+        "(GET /v1/responses/ID?stream=true&starting_after=N), then is cancelled; "
+        "background responses go on regardless (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--store-lease", type=float, default=10.0, metavar="SECONDS",
+        help="this router's lease on its live responses in the store; a router that has not "
+        "renewed it this long is taken for dead, and its live responses are failed by the "
+        "others (default %(default)s)",
     )  # fmt: skip
     parser.add_argument(
         "--reasoning-field", choices=("reasoning_content", "reasoning", "both"),
@@ -245,7 +279,11 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
         read_timeout_s=args.http_read_timeout,
         limits=HttpLimits(
             body_timeout_s=args.http_body_timeout,
-            store=StoreLimits(args.response_store_max, args.response_store_mib * 2**20),
+            store=StoreLimits(
+                args.response_store_max, args.response_store_mib * 2**20, args.response_store_ttl
+            ),
+            rejoin_grace_s=args.rejoin_grace,
+            lease_s=args.store_lease,
             reasoning_field=args.reasoning_field,
             reasoning_budget=args.reasoning_budget,
         ),
@@ -255,6 +293,7 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
         stuck_probe_s=args.stuck_probe,
         routing=args.routing,
         router_id=args.router_id,
+        state_store=state_store_address(args.state_store),
         api_keys=tuple(gather_keys(args.api_key, args.api_key_file)),
         metrics_public=args.metrics_public,
         tls=tls_files(args),
@@ -292,12 +331,32 @@ def run(args: argparse.Namespace) -> int:
         options = options_from(args)
         if options.tls is not None:
             server_context(options.tls)  # unreadable or mismatched files: said now
-    except (ApiKeyError, TlsError) as error:
+        trio.run(_check_store, options)  # unreachable, or a newer schema: said now
+    except (ApiKeyError, TlsError, StoreUnavailable, ValueError) as error:
         log.error("%s", error)
         return 2
     model, decoder = build_model(options)
     trio.run(serve_until_signalled, options, model, decoder)
     return 0
+
+
+def state_store_address(flag: str | None) -> str:
+    """The flag, else the environment's, else the embedded default's SQLite file."""
+    return flag or os.environ.get(ENV_STORE) or f"sqlite:{default_sqlite_path()}"
+
+
+def build_store(options: ServeOptions) -> StateStore:
+    limits = options.limits.store if options.limits is not None else StoreLimits()
+    return open_store(parse_store(options.state_store), limits)
+
+
+async def _check_store(options: ServeOptions) -> None:
+    store = build_store(options)
+    try:
+        await store.open()
+    finally:
+        await store.close()
+    log.info("state store: %s", store.name)
 
 
 def _say_who_may_enter(options: ServeOptions, keys: ApiKeys, port: int) -> None:
@@ -400,7 +459,7 @@ async def serve(
     )
     controller = Controller(router)
     keys = ApiKeys(options.api_keys, metrics_public=options.metrics_public)
-    app = FencepostApp(controller, [model], options.limits, keys)
+    app = FencepostApp(controller, [model], options.limits, keys, build_store(options))
     config = HypercornConfig()
     config.bind = [f"{options.host}:{options.port}"]
     config.accesslog = None

@@ -22,7 +22,7 @@ import msgspec
 import trio
 
 from adapters.openai.callsyntax import HERMES, CallSyntax
-from adapters.openai.egress import ClientQueue, IncrementalDetokenizer, StopMatcher
+from adapters.openai.egress import IncrementalDetokenizer, Sink, StopMatcher
 from adapters.openai.errors import OpenAIError, from_outcome
 from adapters.openai.logprobs import Entry, LogprobEntries, chat_logprobs, completion_logprobs
 from adapters.openai.metrics import Metrics
@@ -164,6 +164,7 @@ class Choice:
         self.egress = TextEgress(model, stop, self.asks_logprobs, marked, thinking)
         self.thinks = thinking is not None
         self.reasoning = ""  # the thinking text so far (the plain body's)
+        self.text = ""  # the answer's text so far (the plain body's; streams send theirs)
         self.entries: list[Entry] = []  # every entry released so far, in order
         self.outcome_recorded = False
         self.finish_reason: str | None = None
@@ -252,29 +253,27 @@ class Answer:
         self.id = answer_id
         self.choices = choices  # in choice order
 
-    def opening(self, queue: ClientQueue) -> None:
+    def opening(self, queue: Sink) -> None:
         """What a stream sends before any generated text."""
 
-    def put_text(
-        self, queue: ClientQueue, index: int, text: str, entries: Sequence[Entry] = ()
-    ) -> None:
+    def put_text(self, queue: Sink, index: int, text: str, entries: Sequence[Entry] = ()) -> None:
         """Choice `index` generated `text` (after stop strings), with the logprob
         entries that go out with it."""
         raise NotImplementedError
 
-    def put_reasoning(self, queue: ClientQueue, index: int, text: str) -> None:
+    def put_reasoning(self, queue: Sink, index: int, text: str) -> None:
         """Choice `index` thought `text` (a thinking model's, before its answer's text);
         an API without a place for thinking drops it."""
 
-    def put_finish(self, queue: ClientQueue, index: int, finish_reason: str) -> None:
+    def put_finish(self, queue: Sink, index: int, finish_reason: str) -> None:
         """Choice `index` ended: stream what it still holds and its end."""
         raise NotImplementedError
 
-    def put_error(self, queue: ClientQueue, error: OpenAIError) -> None:
+    def put_error(self, queue: Sink, error: OpenAIError) -> None:
         """The answer failed after its stream began: say so in-stream and end it."""
         queue.put_frame(b"data: " + msgspec.json.encode(error.body()) + b"\n\n" + DONE)
 
-    def closing(self, queue: ClientQueue) -> None:
+    def closing(self, queue: Sink) -> None:
         """Every choice finished: what ends the stream."""
         queue.put_frame(DONE)
 
@@ -343,9 +342,7 @@ class ChoicesAnswer(Answer):
 
     # --- what differs between the two ---
 
-    def put_text(
-        self, queue: ClientQueue, index: int, text: str, entries: Sequence[Entry] = ()
-    ) -> None:
+    def put_text(self, queue: Sink, index: int, text: str, entries: Sequence[Entry] = ()) -> None:
         """Stream text (entries in a frame of their own, since frames with entries do
         not merge like text)."""
         if entries:
@@ -353,10 +350,10 @@ class ChoicesAnswer(Answer):
         elif text:
             queue.put_delta(text, index)
 
-    def put_finish(self, queue: ClientQueue, index: int, finish_reason: str) -> None:
+    def put_finish(self, queue: Sink, index: int, finish_reason: str) -> None:
         queue.put_frame(self.finish_chunk(index, finish_reason))
 
-    def closing(self, queue: ClientQueue) -> None:
+    def closing(self, queue: Sink) -> None:
         if self.include_usage:
             queue.put_frame(self.usage_chunk())
         queue.put_frame(DONE)
@@ -418,14 +415,14 @@ class ChatAnswer(ChoicesAnswer):
             {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         )
 
-    def opening(self, queue: ClientQueue) -> None:
+    def opening(self, queue: Sink) -> None:
         for choice in self.choices:  # each choice opens with the role
             queue.put_frame(self._chunk(choice.index, {"role": "assistant", "content": ""}))
 
     def delta_chunk(self, text: str, index: int, entries: Sequence[Entry] = ()) -> bytes:
         return self._chunk(index, {"content": text}, entries=entries)
 
-    def put_reasoning(self, queue: ClientQueue, index: int, text: str) -> None:
+    def put_reasoning(self, queue: Sink, index: int, text: str) -> None:
         if text:
             queue.put_frame(self._chunk(index, dict.fromkeys(self.reasoning_keys, text)))
 
@@ -439,9 +436,7 @@ class ChatAnswer(ChoicesAnswer):
     def finish_chunk(self, index: int, finish_reason: str) -> bytes:
         return self._chunk(index, {}, finish_reason)
 
-    def put_text(
-        self, queue: ClientQueue, index: int, text: str, entries: Sequence[Entry] = ()
-    ) -> None:
+    def put_text(self, queue: Sink, index: int, text: str, entries: Sequence[Entry] = ()) -> None:
         if not self.tools.parses:
             return super().put_text(queue, index, text, entries)
         if text:
@@ -449,14 +444,14 @@ class ChatAnswer(ChoicesAnswer):
         if entries:  # the reader may hold text back: entries go in a chunk of their own
             queue.put_frame(self._chunk(index, {}, entries=entries))
 
-    def put_finish(self, queue: ClientQueue, index: int, finish_reason: str) -> None:
+    def put_finish(self, queue: Sink, index: int, finish_reason: str) -> None:
         if not self.tools.parses:
             return super().put_finish(queue, index, finish_reason)
         reader = self.readers[index]
         self._put_pieces(queue, index, reader.finish())
         queue.put_frame(self.finish_chunk(index, with_calls(finish_reason, reader.calls)))
 
-    def _put_pieces(self, queue: ClientQueue, index: int, pieces: list[Content | Call]) -> None:
+    def _put_pieces(self, queue: Sink, index: int, pieces: list[Content | Call]) -> None:
         for piece in pieces:
             if isinstance(piece, Content):
                 queue.put_delta(piece.text, index)
@@ -532,7 +527,7 @@ class CompletionAnswer(ChoicesAnswer):
     ) -> dict[str, Any]:
         return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def opening(self, queue: ClientQueue) -> None:
+    def opening(self, queue: Sink) -> None:
         for index, echo in enumerate(self.echoes):
             if echo:
                 queue.put_delta(echo, index)

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
@@ -119,6 +120,17 @@ class _Event:
     frame: Frame  # the frame (deltas are encoded when taken)
     size: int
     choice: int = 0  # for deltas: the index of the choice the text belongs to
+
+
+class Sink(Protocol):
+    """Where an Answer writes its frames: a ClientQueue (one client, deltas merged when
+    it lags) or a live response's EventLog (live.py: every event kept, as numbered)."""
+
+    failed: ClientOverflow | None
+
+    def put_delta(self, text: str, choice: int = 0) -> None: ...
+    def put_frame(self, frame: Frame, size: int | None = None) -> None: ...
+    def close(self) -> None: ...
 
 
 class ClientQueue:

@@ -93,6 +93,9 @@ class ChatJob(msgspec.Struct, frozen=True):
     shared: Shared  # model, stream, include_usage, sampling, stop, as asked
     tools: ToolSetup  # the answer is read for tool calls when tools.parses
     thinking: ThinkingStart | None = None  # a thinking model's: where its answers begin
+    store: bool = False  # keep the completion (GET /v1/chat/completions/{id}, ...)
+    metadata: dict[str, str] = {}  # what a stored completion is tagged with
+    messages: tuple[Any, ...] = ()  # the request's messages as sent (what a stored one keeps)
 
 
 class CompletionJob(msgspec.Struct, frozen=True):
@@ -156,7 +159,49 @@ def normalize_chat_request(
         assert isinstance(body, dict)
         return _messages(body.get("messages"))
 
-    return chat_job(body, messages, resolve_model, tokenize_chat, request_id, _UNSUPPORTED)
+    job = chat_job(body, messages, resolve_model, tokenize_chat, request_id, _UNSUPPORTED)
+    if isinstance(job, OpenAIError):
+        return job
+    assert isinstance(body, dict)
+    storing = read_storing(body)
+    if isinstance(storing, OpenAIError):
+        return storing
+    store, metadata = storing
+    return replace(job, store=store is True, metadata=metadata, messages=tuple(body["messages"]))
+
+
+def read_storing(body: dict[str, Any]) -> tuple[bool | None, dict[str, str]] | OpenAIError:
+    """`store` (None when absent: each API has its own default) and `metadata`."""
+    store = body.get("store")
+    if store is not None and not isinstance(store, bool):
+        return invalid("'store' must be a boolean", "store")
+    metadata = read_metadata(body.get("metadata"))
+    if isinstance(metadata, OpenAIError):
+        return metadata
+    return store, metadata
+
+
+MAX_METADATA = 16  # keys, as OpenAI allows
+
+
+def read_metadata(value: object) -> dict[str, str] | OpenAIError:
+    """A request's `metadata`: at most 16 string keys (64 characters) to strings (512)."""
+    if value is None:
+        return {}
+    if (
+        not isinstance(value, dict)
+        or len(value) > MAX_METADATA
+        or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+            for k, v in value.items()
+        )
+    ):
+        return invalid(
+            f"'metadata' must map at most {MAX_METADATA} keys (up to 64 characters) "
+            "to strings (up to 512 characters)",
+            "metadata",
+        )
+    return value
 
 
 def chat_job(

@@ -23,7 +23,10 @@ response.failed with the error. Events are encoded when the client's writer
 takes them (egress.ClientQueue), which numbers them in the order they go out,
 merged text deltas (of the thinking or of a message) included.
 
-A finished response is stored (store.py) unless the request said store false.
+A background response is `queued` until its stream opens (response.created
+says so), then `in_progress`. The server stores what this builds (store.py,
+live.py) unless the request said store false; a run cancelled before it
+ended is `cancelled`.
 """
 
 from __future__ import annotations
@@ -36,16 +39,15 @@ import msgspec
 
 from adapters.openai.answers import Answer, Choice, new_call_id
 from adapters.openai.callsyntax import CallSyntax
-from adapters.openai.egress import ClientQueue
+from adapters.openai.egress import Sink
 from adapters.openai.errors import OpenAIError
 from adapters.openai.logprobs import Entry, chat_logprobs
 from adapters.openai.reasoning import AFTER
 from adapters.openai.responses import ResponsesJob, new_item_id
-from adapters.openai.store import ResponseStore
 from adapters.openai.toolcalls import Call, Content, Piece
 from adapters.openai.tools import ToolCall
 
-Queue = ClientQueue | None  # None: building the plain answer, nothing is streamed
+Queue = Sink | None  # None: building the plain answer, nothing is streamed
 
 
 class ResponseAnswer(Answer):
@@ -57,12 +59,10 @@ class ResponseAnswer(Answer):
         job: ResponsesJob,
         choice: Choice,
         syntax: CallSyntax,
-        store: ResponseStore | None,
     ) -> None:
         super().__init__(response_id, [choice])
         self.job = job
         self.choice = choice
-        self.store = store
         self.created_at = int(time.time())
         setup = job.tool_setup
         names = frozenset(t.name for t in setup.callable)
@@ -71,17 +71,18 @@ class ResponseAnswer(Answer):
         self.message: dict[str, Any] | None = None  # the message item being written
         self.thought: dict[str, Any] | None = None  # the reasoning item being written
         self.waiting: list[Entry] = []  # logprob entries whose message is not open yet
-        self.status = "in_progress"
+        self.status = "queued" if job.background else "in_progress"
         self.error: dict[str, Any] | None = None
         self.sequence = 0
 
     # --- the stream ---
 
-    def opening(self, queue: ClientQueue) -> None:
+    def opening(self, queue: Sink) -> None:
         self._emit(queue, "response.created", {"response": self.response()})
+        self.status = "in_progress"
         self._emit(queue, "response.in_progress", {"response": self.response()})
 
-    def put_reasoning(self, queue: ClientQueue | None, index: int, text: str) -> None:
+    def put_reasoning(self, queue: Sink | None, index: int, text: str) -> None:
         if not text:
             return
         if self.thought is None:
@@ -95,7 +96,7 @@ class ResponseAnswer(Answer):
             queue.put_delta(text, 0)  # encode_delta writes it as reasoning_text.delta
 
     def put_text(
-        self, queue: ClientQueue | None, index: int, text: str, entries: Sequence[Entry] = ()
+        self, queue: Sink | None, index: int, text: str, entries: Sequence[Entry] = ()
     ) -> None:
         if self.thought is not None and self._thinking_over():
             self._close_thought(queue)
@@ -105,7 +106,7 @@ class ResponseAnswer(Answer):
         elif text:
             self._pieces(queue, self.reader.feed(text))
 
-    def put_finish(self, queue: ClientQueue | None, index: int, finish_reason: str) -> None:
+    def put_finish(self, queue: Sink | None, index: int, finish_reason: str) -> None:
         ended = "incomplete" if finish_reason == "length" else "completed"
         # Thinking the token budget cut off is incomplete; any other ended with the answer.
         self._close_thought(queue, "completed" if self._thinking_over() else ended)
@@ -119,16 +120,13 @@ class ResponseAnswer(Answer):
         self._close_message(queue, ended)
         self.status = ended
 
-    def put_error(self, queue: ClientQueue, error: OpenAIError) -> None:
+    def put_error(self, queue: Sink, error: OpenAIError) -> None:
         self.status = "failed"
         self.error = {"code": error.code or error.type, "message": error.message}
         self._emit(queue, "response.failed", {"response": self.response()})
-        self._keep()
 
-    def closing(self, queue: ClientQueue) -> None:
-        response = self.response()
-        self._emit(queue, f"response.{self.status}", {"response": response})
-        self._keep(response)
+    def closing(self, queue: Sink) -> None:
+        self._emit(queue, f"response.{self.status}", {"response": self.response()})
 
     def encode_delta(self, text: str, index: int) -> bytes:
         item = self.output[index]
@@ -144,14 +142,12 @@ class ResponseAnswer(Answer):
         self.put_text(None, 0, texts[0], choice.entries)
         assert choice.finish_reason is not None
         self.put_finish(None, 0, choice.finish_reason)
-        response = self.response()
-        self._keep(response)
-        return response
+        return self.response()
 
     def response(self) -> dict[str, Any]:
         """The response object as it stands."""
         job = self.job
-        done = self.status in ("completed", "incomplete", "failed")
+        done = self.status in ("completed", "incomplete", "failed", "cancelled")
         usage = None
         if done:
             prompt = self.choice.prompt_tokens
@@ -170,7 +166,7 @@ class ResponseAnswer(Answer):
             "object": "response",
             "created_at": self.created_at,
             "status": self.status,
-            "background": False,
+            "background": job.background,
             "error": self.error,
             "incomplete_details": incomplete,
             "instructions": job.instructions,
@@ -350,7 +346,3 @@ class ResponseAnswer(Answer):
         self.sequence += 1
         data = head[:-1] + (b"," + encoded[1:] if len(encoded) > 2 else b"}")
         return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
-
-    def _keep(self, response: dict[str, Any] | None = None) -> None:
-        if self.store is not None:
-            self.store.put(response or self.response(), self.job.items)

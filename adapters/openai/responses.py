@@ -5,8 +5,8 @@ instead of `messages`, `instructions` for the system message, flat function
 tools, `text.format` for `response_format`, `max_output_tokens` for
 `max_completion_tokens`, `include` for logprobs, `reasoning.effort` for
 `reasoning_effort`. This file reads those words, refuses what fencepost does
-not do (built-in tools, background mode, reasoning settings for a model that
-does not think, images and files, automatic truncation) with a 400 whose
+not do (built-in tools, reasoning settings for a model that does not think,
+images and files, automatic truncation) with a 400 whose
 `param` names the field, and hands a chat-shaped body and the history to the
 chat path's own checks (normalize.chat_job), whose errors come back with the
 Responses API's field names. So the two APIs run one validation, one prompt
@@ -18,7 +18,9 @@ earlier response's `instructions` are not carried over, as in OpenAI's API.
 A `reasoning` item, stored or sent, is the thinking of the assistant turn
 that follows it: that message's `reasoning`, which the chat template shows or
 (most do, for turns before the last user message) drops.
-Pure: the store lookup, the model and the tokenizer are injected.
+`background: true` asks for a stored response (store true) that runs detached
+from the connection (server.py, live.py). Pure: the store lookup (the server
+reads the store first), the model and the tokenizer are injected.
 """
 
 from __future__ import annotations
@@ -38,13 +40,13 @@ from adapters.openai.normalize import (
     ResolveModel,
     TokenizeChat,
     chat_job,
+    read_storing,
     text_content,
 )
 from adapters.openai.tools import ToolCall, ToolSetup
 from core.protocol import MAX_TOP_LOGPROBS
 
 LOGPROBS = "message.output_text.logprobs"  # the one `include` value served
-MAX_METADATA = 16
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 # Content part types by who may send them; the input_* media types are refused by name.
 TEXT_PARTS = {"input_text", "output_text", "refusal"}
@@ -54,7 +56,8 @@ SUMMARIES = ("auto", "concise", "detailed")  # reasoning.summary: accepted, none
 # A reasoning item's text parts: (field, part type), in the order its text is read.
 REASONING_PARTS = (("content", "reasoning_text"), ("summary", "summary_text"))
 
-Lookup = Callable[[str], "list[dict[str, Any]] | None"]  # response id -> its conversation
+# response id -> its conversation; or why not (gone, in progress, the store down); None: unknown
+Lookup = Callable[[str], "list[dict[str, Any]] | OpenAIError | None"]
 
 
 class ResponsesJob(msgspec.Struct, frozen=True):
@@ -66,6 +69,7 @@ class ResponsesJob(msgspec.Struct, frozen=True):
     instructions: str | None
     previous_response_id: str | None
     store: bool
+    background: bool
     metadata: dict[str, str]
     user: str | None
     temperature: float
@@ -92,7 +96,7 @@ class ResponsesJob(msgspec.Struct, frozen=True):
 
 Refusal = tuple[str, Callable[[Any], bool], str]
 _REFUSED: tuple[Refusal, ...] = (
-    ("background", lambda v: v is not False, "background responses are not supported"),
+    ("background", lambda v: not isinstance(v, bool), "must be a boolean"),
     ("conversation", lambda v: True, "conversations are not supported; use previous_response_id"),
     ("prompt", lambda v: True, "prompt templates are not supported"),
     ("max_tool_calls", lambda v: True, "max_tool_calls is not supported"),
@@ -144,6 +148,10 @@ def normalize_responses_request(
     if isinstance(scalars, OpenAIError):
         return scalars
     instructions, store, metadata, user, logprobs, top = scalars
+    background = body.get("background") is True
+    if background and not store:
+        return invalid("'background': a background response must be stored (store: true)",
+                       "background")  # fmt: skip
     tools = _tools(body.get("tools"))
     if isinstance(tools, OpenAIError):
         return tools
@@ -165,10 +173,12 @@ def normalize_responses_request(
         if not isinstance(previous_id, str) or not previous_id:
             return invalid("'previous_response_id' must be a string", "previous_response_id")
         found = lookup(previous_id)
+        if isinstance(found, OpenAIError):
+            return found
         if found is None:
             return invalid(
-                f"the previous response '{previous_id}' is not stored on this server "
-                "(never stored, deleted, evicted, or stored by another router)",
+                f"the previous response '{previous_id}' is not stored (never stored, or "
+                "stored with another state store)",
                 "previous_response_id",
                 "previous_response_not_found",
             )
@@ -207,6 +217,7 @@ def normalize_responses_request(
         instructions,
         previous_id,
         store,
+        background,
         metadata,
         user,
         sampling.temperature,
@@ -227,25 +238,10 @@ def _scalars(
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         return invalid("'instructions' must be a string", "instructions")
-    store = body.get("store")
-    if store is not None and not isinstance(store, bool):
-        return invalid("'store' must be a boolean", "store")
-    metadata = body.get("metadata")
-    if metadata is None:
-        metadata = {}
-    elif (
-        not isinstance(metadata, dict)
-        or len(metadata) > MAX_METADATA
-        or not all(
-            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
-            for k, v in metadata.items()
-        )
-    ):
-        return invalid(
-            f"'metadata' must map at most {MAX_METADATA} keys (up to 64 characters) "
-            "to strings (up to 512 characters)",
-            "metadata",
-        )
+    storing = read_storing(body)
+    if isinstance(storing, OpenAIError):
+        return storing
+    store, metadata = storing
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         return invalid("'user' must be a string", "user")

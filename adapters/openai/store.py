@@ -1,85 +1,36 @@
-"""Stored responses: what `store` keeps, GET and DELETE read, `previous_response_id` continues.
+"""What the OpenAI APIs keep in the state store (adapters/state), and how they read it back.
 
-One store per router process, in memory, bounded by count and by bytes (the
-encoded JSON of each entry), least recently used first out: a response that
-is read or continued moves to the back. An entry is the response object as
-the client got it and the conversation it answered (its input items, those of
-the responses it continued included), so continuing it needs nothing else:
-the next request's conversation is the entry's items, then its output items,
-then the new input. An entry larger than the whole byte bound is not kept.
+A stored response is a Record of kind "response": its body is the response
+object as the client got it, its items the conversation it answered (its
+input items, those of the responses it continued included), so continuing it
+needs nothing else: the next request's conversation is the record's items,
+then its output items, then the new input. A stored chat completion is a
+Record of kind "chat.completion": the completion object, and the request's
+messages as sent.
 
-A restart, an eviction or another router loses it; a continuation then gets
-a 400 (responses.py), never a fresh start. Pure data: no IO, no clock.
+The errors a client gets for ids the store does not hold say why, when the
+store knows (deleted, evicted by its bounds, expired); a store that cannot be
+reached is a 503 with a Retry-After, and the request is not run.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
-import msgspec
+from adapters.openai.errors import OpenAIError, invalid
+from adapters.state import Gone, Record, StoreUnavailable
 
-DEFAULT_MAX_RESPONSES = 1000
-DEFAULT_MAX_BYTES = 64 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class StoreLimits:
-    max_responses: int = DEFAULT_MAX_RESPONSES
-    max_bytes: int = DEFAULT_MAX_BYTES
-
-
-@dataclass(frozen=True)
-class Stored:
-    response: dict[str, Any]  # the response object
-    items: tuple[dict[str, Any], ...]  # the conversation's input items
-    size: int
+RETRY_AFTER_S = 2  # what a 503 for an unreachable store asks the client to wait
+_WHY = {
+    "deleted": "was deleted",
+    "evicted": "was evicted by the store's bounds (--response-store-max, --response-store-mib)",
+    "expired": "expired (--response-store-ttl)",
+}
 
 
-class ResponseStore:
-    def __init__(self, limits: StoreLimits | None = None) -> None:
-        self.limits = limits or StoreLimits()
-        self._entries: OrderedDict[str, Stored] = OrderedDict()
-        self.bytes = 0
-        self.evicted = 0  # entries pushed out by the bounds (for metrics and tests)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def put(self, response: dict[str, Any], items: tuple[dict[str, Any], ...]) -> bool:
-        """Keep a finished response; False when it alone is over the byte bound."""
-        size = len(msgspec.json.encode(response)) + len(msgspec.json.encode(items))
-        if size > self.limits.max_bytes or self.limits.max_responses < 1:
-            return False
-        self.delete(response["id"])
-        self._entries[response["id"]] = Stored(response, items, size)
-        self.bytes += size
-        while len(self._entries) > self.limits.max_responses or self.bytes > self.limits.max_bytes:
-            _, oldest = self._entries.popitem(last=False)
-            self.bytes -= oldest.size
-            self.evicted += 1
-        return True
-
-    def get(self, response_id: str) -> Stored | None:
-        stored = self._entries.get(response_id)
-        if stored is not None:
-            self._entries.move_to_end(response_id)
-        return stored
-
-    def delete(self, response_id: str) -> bool:
-        stored = self._entries.pop(response_id, None)
-        if stored is None:
-            return False
-        self.bytes -= stored.size
-        return True
-
-    def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
-        """The items a response continuing this one starts from, or None: not stored."""
-        stored = self.get(response_id)
-        if stored is None:
-            return None
-        return [*stored.items, *(_as_input(item) for item in stored.response["output"])]
+def conversation(record: Record) -> list[dict[str, Any]]:
+    """The items a response continuing this one starts from."""
+    return [*record.items, *(_as_input(item) for item in record.body["output"])]
 
 
 def _as_input(item: dict[str, Any]) -> dict[str, Any]:
@@ -88,3 +39,29 @@ def _as_input(item: dict[str, Any]) -> dict[str, Any]:
         return item
     parts = [{"type": p["type"], "text": p["text"]} for p in item["content"]]
     return {**item, "content": parts}
+
+
+def not_found(what: str, record_id: str, found: Gone | None, param: str, code: str) -> OpenAIError:
+    """404: no `what` with this id, and why not where the store remembers."""
+    why = f" ({_WHY[found.reason]})" if found is not None else ""
+    return OpenAIError(
+        404, f"no stored {what} has the id '{record_id}'{why}", "invalid_request_error", param, code
+    )
+
+
+def previous_missing(record_id: str, found: Gone) -> OpenAIError:
+    return invalid(
+        f"the previous response '{record_id}' {_WHY[found.reason]}",
+        "previous_response_id",
+        "previous_response_not_found",
+    )
+
+
+def store_down(error: StoreUnavailable) -> OpenAIError:
+    return OpenAIError(
+        503,
+        f"the state store is unavailable ({error}); try again shortly",
+        "service_unavailable",
+        None,
+        "store_unavailable",
+    )

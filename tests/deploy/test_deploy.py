@@ -3,6 +3,7 @@ Dockerfiles keep their promises, and each check rejects a copy broken on purpose
 
 from __future__ import annotations
 
+import base64
 import copy
 import functools
 import shutil
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from adapters.state.store import ENV_STORE, parse_store
 from tests.support import deploy_checks as checks
 from tests.support.deploy_checks import Manifest
 
@@ -58,6 +60,70 @@ def test_the_renderer_refuses_what_it_does_not_render(tmp_path: Path) -> None:
     overlay.write_text(overlay.read_text() + "images:\n  - name: fencepost\n    newTag: x\n")
     with pytest.raises(ValueError, match="images"):
         checks.render(overlay.parent)
+
+
+def state_store_problems(objects: list[Manifest]) -> list[str]:
+    """Every router reads one shared PostgreSQL store's URL from a Secret in these
+    manifests: through FENCEPOST_STATE_STORE's secretKeyRef, never a plain value or an
+    arg (the URL holds a password), and not optional (a missing Secret would leave each
+    router a store of its own)."""
+    router = checks.container(checks.deployments(objects)["router"])
+    problems = [
+        f"router: {arg.split('=')[0]} in args shows the store's password to whoever lists pods"
+        for arg in router.get("args", [])
+        if arg.startswith("--state-store")
+    ]
+    entries = [e for e in router.get("env", []) if e["name"] == ENV_STORE]
+    if not entries:
+        return [*problems, f"router: no {ENV_STORE}: each router would keep a store of its own"]
+    ref = entries[0].get("valueFrom", {}).get("secretKeyRef")
+    if "value" in entries[0] or ref is None:
+        return [*problems, f"router: {ENV_STORE} does not come from a secretKeyRef"]
+    if ref.get("optional"):
+        problems.append(f"router: {ENV_STORE}'s secretKeyRef is optional")
+    secrets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Secret"}
+    if ref["name"] not in secrets:
+        return [*problems, f"router: {ENV_STORE} names Secret {ref['name']}, not in the manifests"]
+    secret = secrets[ref["name"]]
+    values = {k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()}
+    values.update(secret.get("stringData", {}))
+    if ref["key"] not in values:
+        return [*problems, f"Secret {ref['name']} has no key {ref['key']}"]
+    try:
+        kind = parse_store(values[ref["key"]]).kind
+    except ValueError as error:
+        return [*problems, f"Secret {ref['name']}: {error}"]
+    if kind != "postgresql":
+        problems.append(f"Secret {ref['name']}: a {kind} store is no store routers share")
+    return problems
+
+
+@pytest.mark.parametrize("variant", sorted(checks.VARIANTS))
+def test_the_routers_share_a_state_store_from_a_secret(variant: str) -> None:
+    assert state_store_problems(rendered(variant)) == []
+
+
+def _state_store_env(objects: list[Manifest]) -> dict[str, Any]:
+    env: list[dict[str, Any]] = _container(objects, "router")["env"]
+    [found] = [e for e in env if e["name"] == ENV_STORE]
+    return found
+
+
+def _state_store_secret(objects: list[Manifest]) -> Manifest:
+    [found] = [o for o in objects if o["kind"] == "Secret"]
+    return found
+
+
+def test_a_state_store_secret_may_hold_its_url_base64_encoded() -> None:
+    objects = rendered("cpu")
+    secret = _state_store_secret(objects)
+    url = secret.pop("stringData")["url"]
+    secret["data"] = {"url": base64.b64encode(url.encode()).decode()}
+    assert state_store_problems(objects) == []
+    secret["data"] = {"url": base64.b64encode(b"memory").decode()}
+    assert state_store_problems(objects) == [
+        "Secret fencepost-state-store: a memory store is no store routers share"
+    ]
 
 
 def _deployment(objects: list[Manifest], component: str) -> Manifest:
@@ -233,6 +299,33 @@ MUTATIONS: dict[str, tuple[str, checks.Check, Mutation]] = {
         checks.secret_problems,
         lambda o: _container(o, "worker")["volumeMounts"][-1].update(subPath="tls.crt"),
     ),
+    "a router without the state store": (
+        "cpu", state_store_problems,
+        lambda o: _container(o, "router")["env"].remove(_state_store_env(o)),
+    ),
+    "the store's URL in plain text": (
+        "cpu", state_store_problems,
+        lambda o: _state_store_env(o).update(value="postgresql://u:pw@db/x"),
+    ),
+    "the store's URL in args": (
+        "cuda", state_store_problems,
+        lambda o: _container(o, "router")["args"].append("--state-store=postgresql://u:pw@db/x"),
+    ),
+    "an optional state store": (
+        "cpu", state_store_problems,
+        lambda o: _state_store_env(o)["valueFrom"]["secretKeyRef"].update(optional=True),
+    ),
+    "the state store's Secret missing": (
+        "cuda", state_store_problems, lambda o: o.remove(_state_store_secret(o)),
+    ),
+    "the state store's key misnamed": (
+        "cpu", state_store_problems,
+        lambda o: _state_store_env(o)["valueFrom"]["secretKeyRef"].update(key="uri"),
+    ),
+    "a state store routers cannot share": (
+        "cpu", state_store_problems,
+        lambda o: _state_store_secret(o).update(stringData={"url": "sqlite:/tmp/state.db"}),
+    ),
 }  # fmt: skip
 
 
@@ -271,6 +364,13 @@ COMPLAINTS = {
     "liveness behind the API key": "livenessProbe asks for /v1/models, which is behind",
     "metrics scraped behind the key": "prometheus.io asks for /metrics, which is behind",
     "certificates frozen by subPath": "mounted by subPath: a renewal never arrives",
+    "a router without the state store": "no FENCEPOST_STATE_STORE",
+    "the store's URL in plain text": "does not come from a secretKeyRef",
+    "the store's URL in args": "--state-store in args shows the store's password",
+    "an optional state store": "secretKeyRef is optional",
+    "the state store's Secret missing": "names Secret fencepost-state-store, not in",
+    "the state store's key misnamed": "has no key uri",
+    "a state store routers cannot share": "a sqlite store is no store routers share",
 }
 
 

@@ -15,7 +15,6 @@ import requests
 
 from adapters.cli.serve import ServeOptions
 from adapters.openai.normalize import ChatMessage
-from adapters.openai.store import ResponseStore, StoreLimits
 from adapters.openai.tools import Tool, ToolCall
 from tests.openai.test_openai_logprobs import MODEL as FAKE
 from tests.openai.test_openai_logprobs import chat_entries, reference
@@ -326,7 +325,7 @@ def test_store_false_keeps_nothing(server: ServerThread) -> None:
     assert requests.get(f"{server.base_url}/v1/responses/{done.id}", timeout=10).status_code == 404
 
 
-def test_another_router_does_not_know_the_response() -> None:
+def test_a_router_with_its_own_memory_store_does_not_know_the_response() -> None:
     with (
         ServerThread(ServeOptions(port=0, fake=True)) as one,
         ServerThread(ServeOptions(port=0, fake=True)) as two,
@@ -335,29 +334,6 @@ def test_another_router_does_not_know_the_response() -> None:
         with pytest.raises(openai.BadRequestError) as refused:
             sdk(two).responses.create(model="fake", input="y", previous_response_id=first.id)
         assert refused.value.code == "previous_response_not_found"
-
-
-def response(response_id: str, text: str) -> dict[str, Any]:
-    message = {"type": "message", "content": [{"type": "output_text", "text": text}]}
-    return {"id": response_id, "output": [message]}
-
-
-def test_the_store_evicts_the_least_recently_used_by_count_and_by_bytes() -> None:
-    store = ResponseStore(StoreLimits(max_responses=2, max_bytes=10_000))
-    for name in ("a", "b"):
-        assert store.put(response(name, name), ())
-    assert store.get("a") is not None  # a is now the most recent
-    store.put(response("c", "c"), ())
-    assert store.get("b") is None and store.get("a") and store.get("c") and store.evicted == 1
-    assert not store.put(response("huge", "x" * 20_000), ())  # alone over the bound
-    small = ResponseStore(StoreLimits(max_responses=100, max_bytes=300))
-    for i in range(10):
-        small.put(response(f"r{i}", "y" * 50), ())
-        assert small.bytes <= 300
-    assert small.get("r9") is not None and small.get("r0") is None
-    assert small.conversation("r9") == [
-        {"type": "message", "content": [{"type": "output_text", "text": "y" * 50}]}
-    ]
 
 
 # --- logprobs, errors mid-stream, disconnects (the fake model) ---
@@ -405,7 +381,9 @@ def test_an_error_after_the_stream_began_is_response_failed() -> None:
 
 def test_a_client_that_leaves_cancels_the_generation() -> None:
     with ServerThread(ServeOptions(port=0, fake=True, fake_step_ms=20)) as slow:
-        body = {"model": "fake", "input": "x", "max_output_tokens": 2000, "stream": True}
+        # Unstored: nothing waits for the client to rejoin (test_stored_responses.py).
+        body = {"model": "fake", "input": "x", "max_output_tokens": 2000, "stream": True,
+                "store": False}  # fmt: skip
         with requests.post(
             f"{slow.base_url}/v1/responses", json=body, stream=True, timeout=30
         ) as reply:
@@ -423,7 +401,8 @@ def test_a_client_that_leaves_cancels_the_generation() -> None:
     [
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools[0].type"),
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "background"),
+        ({"background": "yes"}, "background"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"truncation": "auto"}, "truncation"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),

@@ -170,7 +170,7 @@ def test_bad_input_gets_the_openai_error_envelope(
 def test_unknown_routes_and_methods_get_the_envelope_too(server: ServerThread) -> None:
     for reply, status in [
         (requests.get(f"{server.base_url}/v1/nothing", timeout=10), 404),
-        (requests.get(f"{server.base_url}/v1/chat/completions", timeout=10), 405),
+        (requests.put(f"{server.base_url}/v1/chat/completions", timeout=10), 405),
     ]:
         assert reply.status_code == status
         assert set(reply.json()["error"]) == {"message", "type", "param", "code"}

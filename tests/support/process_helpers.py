@@ -8,6 +8,7 @@ never assumed from the order they started in.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -43,8 +44,13 @@ class LogWatcher:
 
 
 def fencepost(*args: str) -> subprocess.Popen[str]:
+    """A fencepost command; a router keeps its state in memory unless told otherwise
+    (so tests never write to the user's own store)."""
     command = [sys.executable, "-m", "adapters.cli", *args]
-    return subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    env = {"FENCEPOST_STATE_STORE": "memory"} | dict(os.environ)
+    return subprocess.Popen(
+        command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
+    )
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float = 60) -> None:
