@@ -44,6 +44,27 @@ class Metrics:
             "Completion tokens of thinking blocks (tags included), of thinking models",
             registry=r,
         )
+        self.stored = Counter(
+            "fencepost_stored",
+            "Responses and chat completions written to the state store, when they ended",
+            ["kind"],
+            registry=r,
+        )
+        self.store_errors = Counter(
+            "fencepost_store_errors",
+            "Times the state store could not be reached (requests refused, writes retried)",
+            registry=r,
+        )
+        self.live_responses = Gauge(
+            "fencepost_live_responses",
+            "Stored responses this router is generating apart from a connection",
+            registry=r,
+        )
+        self.rejoins = Counter(
+            "fencepost_stream_rejoins",
+            "Streams of a stored response's events read back (GET ...?stream=true)",
+            registry=r,
+        )
         self.active_streams = Gauge(
             "fencepost_active_requests", "Requests open at the controller", registry=r
         )

@@ -104,6 +104,7 @@ FLUSH_S = 0.1  # a live response's events go to the store in batches this far ap
 FINAL_WRITE_S = 10.0  # a live response's final write waits at most this (then it is retried)
 LEASE_TICK_S = 0.5  # how often the lease task looks for cancels asked elsewhere
 REAP_S = 2.0  # how often it looks for live responses of routers that died
+MAX_UNWRITTEN = 1000  # final records held for a store that is down, at most
 REMOTE_CANCEL_S = 3.0  # a cancel of another router's response waits this for it to end
 
 J = TypeVar("J", ChatJob, CompletionJob, ResponsesJob)  # what a request normalizes to
@@ -212,6 +213,7 @@ class FencepostApp:
         # Final records whose write failed (the store was down): retried while it lives.
         self.unwritten: dict[str, tuple[Record, list[str], int]] = {}
         self._leasing = trio.CancelScope()
+        self.metrics.live_responses.set_function(lambda: len(self.runs))
         self.created = int(time.time())
         self.quart = self._build()
 
@@ -401,7 +403,7 @@ class FencepostApp:
         try:
             await self._keep_chat(answer, job, completion)
         except StoreUnavailable as down:
-            return error_response(store_down(down))
+            return self._store_down(down)
         return json_response(completion)
 
     async def _keep_chat(
@@ -420,6 +422,7 @@ class FencepostApp:
             metadata=dict(job.metadata),
         )
         await self.state.put(record)
+        self.metrics.stored.labels("chat.completion").inc()
 
     # --- stored chat completions ---
 
@@ -436,7 +439,7 @@ class FencepostApp:
         try:
             records = await self.state.list_records("chat.completion", args.get("model"))
         except StoreUnavailable as down:
-            return error_response(store_down(down))
+            return self._store_down(down)
         records = [r for r in records if all(r.metadata.get(k) == v for k, v in wanted.items())]
         bodies = [r.body for r in (records if order == "asc" else reversed(records))]
         return _page(bodies, limit, after)
@@ -461,7 +464,7 @@ class FencepostApp:
         try:
             updated = await self.state.update_metadata(completion_id, metadata)
         except StoreUnavailable as down:
-            return error_response(store_down(down))
+            return self._store_down(down)
         if updated is None:  # deleted meanwhile
             return await self.get_chat(completion_id)
         return json_response(updated.body)
@@ -473,7 +476,7 @@ class FencepostApp:
         try:
             await self.state.delete(completion_id)
         except StoreUnavailable as down:
-            return error_response(store_down(down))
+            return self._store_down(down)
         body = {"id": completion_id, "object": "chat.completion.deleted", "deleted": True}
         return json_response(body)
 
@@ -579,9 +582,10 @@ class FencepostApp:
         response = answer.body([answer.choice.text])
         try:
             await self.state.put(_response_record(answer, response))
+            self.metrics.stored.labels("response").inc()
         except StoreUnavailable as down:
             log.warning("%s: not stored: %s", answer_id, down)
-            return error_response(store_down(down))
+            return self._store_down(down)
         return json_response(response)
 
     async def _previous(self, body: object) -> list[dict[str, Any]] | OpenAIError | None:
@@ -593,6 +597,7 @@ class FencepostApp:
         try:
             found = await self.state.get(previous)
         except StoreUnavailable as down:
+            self.metrics.store_errors.inc()
             return store_down(down)
         if isinstance(found, Gone):
             return previous_missing(previous, found)
@@ -614,11 +619,11 @@ class FencepostApp:
         record = _response_record(answer, answer.response())
         record.owner, record.background = self.owner, job.background
         try:
-            await self.state.put(record)
+            await self.state.create(record)
         except StoreUnavailable as down:
             answer.choice.stream.cancel()
             answer.choice.record("error_store")
-            return error_response(store_down(down))
+            return self._store_down(down)
         run = LiveRun(record, EventLog(answer.encode_delta), answer)
         self.runs[record.id] = run
         self.quart.nursery.start_soon(self._run_live, run)
@@ -671,11 +676,22 @@ class FencepostApp:
             try:
                 with trio.fail_after(FINAL_WRITE_S):
                     await self.state.put(record, frames, run.flushed)
+                self.metrics.stored.labels("response").inc()
             except (StoreUnavailable, trio.TooSlowError) as down:
                 log.warning("%s: its final record is not stored yet (%s); retrying", run.id, down)
-                self.unwritten[run.id] = (record, frames, run.flushed)
+                self.metrics.store_errors.inc()
+                self._keep_trying(record, frames, run.flushed)
         del self.runs[run.id]
         run.ended.set()
+
+    def _keep_trying(self, record: Record, frames: list[str], first: int) -> None:
+        """A final record the store refused: the lease task retries it (a bounded list:
+        past it the oldest is given up, and its record is reaped as failed)."""
+        self.unwritten[record.id] = (record, frames, first)
+        while len(self.unwritten) > MAX_UNWRITTEN:
+            dropped = next(iter(self.unwritten))
+            del self.unwritten[dropped]
+            log.error("%s: its final record could not be stored; given up", dropped)
 
     def _follow_response(self, response_id: str, after: int) -> Response:
         """An SSE response of a stored response's events after `after`."""
@@ -683,6 +699,8 @@ class FencepostApp:
         if run is not None:
             run.readers += 1
         frames = follow(self.runs, self.state, response_id, after)
+        if after >= 0:
+            self.metrics.rejoins.inc()
 
         def left() -> None:
             if run is None:
@@ -720,7 +738,7 @@ class FencepostApp:
         try:
             found = await self.state.get(record_id)
         except StoreUnavailable as down:
-            return error_response(store_down(down))
+            return self._store_down(down)
         if isinstance(found, Record) and found.kind == kind:
             return found
         gone = found if isinstance(found, Gone) else None
@@ -737,6 +755,11 @@ class FencepostApp:
         if isinstance(page, OpenAIError):
             return error_response(page)
         return record, page
+
+    def _store_down(self, down: StoreUnavailable) -> Response:
+        """The 503 of a request that needs the store, which cannot be reached."""
+        self.metrics.store_errors.inc()
+        return error_response(store_down(down))
 
     async def get_response(self, response_id: str) -> Response:
         record = await self._stored(response_id, "response")
@@ -795,7 +818,7 @@ class FencepostApp:
                     await trio.sleep(0.1)
             found = await self.state.get(response_id)
         except StoreUnavailable as down:
-            return error_response(store_down(down))
+            return self._store_down(down)
         if isinstance(found, Record):
             return json_response(found.body)
         return error_response(not_found("response", response_id, found, "response_id",
@@ -814,7 +837,7 @@ class FencepostApp:
         try:
             await self.state.delete(response_id)
         except StoreUnavailable as down:
-            return error_response(store_down(down))
+            return self._store_down(down)
         return json_response({"id": response_id, "object": "response", "deleted": True})
 
     async def input_items(self, response_id: str) -> Response:
@@ -859,6 +882,7 @@ class FencepostApp:
                     log.info("the state store is back: %s", self.state.name)
                     down_logged = False
             except StoreUnavailable as down:
+                self.metrics.store_errors.inc()
                 if not down_logged:
                     log.warning("the state store is unavailable: %s", down)
                     down_logged = True
@@ -1022,6 +1046,7 @@ class FencepostApp:
                         try:  # that reads it back at once finds it
                             await keep()
                         except StoreUnavailable as down:
+                            self.metrics.store_errors.inc()
                             log.warning("%s: not stored: %s", answer.id, down)
                     answer.closing(queue)
         finally:

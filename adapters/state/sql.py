@@ -320,6 +320,23 @@ class SqlStore:
 
         return await self._call(work)
 
+    async def create(self, record: Record) -> None:
+        """Insert a record that is not there yet, live and without events: one statement
+        (no eviction, as a live record is never evicted; its final put evicts)."""
+        assert record.live and record.events == 0, "create is for a response starting"
+        body, items = _text(record.body), _text(record.items)
+
+        def work(cur: Cursor) -> None:
+            cur.run(
+                f"INSERT INTO fencepost_records ({_COLUMNS}) VALUES "
+                "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (record.id, record.kind, record.created, record.created + self.limits.ttl_s,
+                 record.status, record.owner, int(record.background), int(record.cancel),
+                 record.model, _text(record.metadata), body, items, 0, len(body) + len(items)),
+            )  # fmt: skip
+
+        await self._call(work)
+
     def _evict(self, cur: Cursor) -> None:
         """Oldest finished records out until the count and byte bounds hold."""
         totals = "SELECT count(*), coalesce(sum(size), 0) FROM fencepost_records"

@@ -21,7 +21,7 @@ import requests
 from adapters.cli.serve import ServeOptions
 from adapters.openai.server import HttpLimits
 from adapters.runtime.worker_host import FakeDecoder
-from tests.openai.test_openai_server import wait_settled
+from tests.openai.test_openai_server import metric, wait_settled
 from tests.support.http_helpers import ServerThread
 from tests.support.postgres import (
     PostgresServer,
@@ -136,6 +136,7 @@ def test_a_background_stream_dropped_and_rejoined_loses_and_repeats_no_event() -
         whole = replay(server, response_id)
         assert [e["sequence_number"] for e in whole] == numbers
         assert text_of(whole) == text
+        assert metric(server, "fencepost_live_responses") == 0
 
 
 def test_cancel_stops_a_background_response_and_its_decoding() -> None:
@@ -181,6 +182,7 @@ def test_a_dropped_stream_is_rejoined_from_the_last_event_seen() -> None:
         assert text_of(first + rest) == plain_text(server, "drop", 40)
         # Two readers at once, from different points, see the same events.
         assert replay(server, response_id, 4) == (first + rest)[5:]
+        assert metric(server, "fencepost_stream_rejoins_total") == 2
 
 
 def test_a_stream_dropped_every_few_events_still_arrives_whole() -> None:
@@ -367,6 +369,7 @@ def test_a_store_down_while_serving_refuses_what_needs_it() -> None:
             reply = requests.post(f"{server.base_url}/v1/responses",
                                   json={"model": "fake", "input": "y"}, timeout=30)  # fmt: skip
             assert reply.status_code == 503 and reply.headers["Retry-After"]
+            assert metric(server, "fencepost_store_errors_total") >= 1
             assert reply.json()["error"]["code"] == "store_unavailable"
             chat = client.chat.completions.create(
                 model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=3
@@ -419,6 +422,8 @@ def test_stored_chat_completions_are_read_listed_updated_and_deleted() -> None:
         ]
         stored_messages = client.chat.completions.messages.list(made[0].id)
         assert [m.content for m in stored_messages.data] == ["hello"]
+        stored = 'fencepost_stored_total{kind="chat.completion"}'
+        assert metric(server, stored) == 4  # three plain and one streamed; not the unstored
         deleted = client.chat.completions.delete(made[0].id)
         assert deleted.deleted is True
         with pytest.raises(openai.NotFoundError, match="deleted"):

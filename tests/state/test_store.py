@@ -137,6 +137,24 @@ def test_put_get_delete_round_trip(address: str) -> None:
     run(main)
 
 
+def test_create_starts_a_live_record_that_put_then_ends(address: str) -> None:
+    async def main() -> None:
+        async with opened(address) as store:
+            live = record("resp_1", status="in_progress", owner="a", text="")
+            await store.create(live)
+            found = await store.get("resp_1")
+            assert isinstance(found, Record) and found.live and found.owner == "a"
+            assert found.size == await size_of(live)  # as a put would have counted it
+            assert await store.append_events("resp_1", 0, ["e0"]) == 1
+            with pytest.raises(StoreUnavailable):
+                await store.create(live)  # already there: refused, not replaced
+            done = record("resp_1", status="completed", text="all")
+            assert await store.put(done, ["e0", "e1"], first=0)
+            assert await store.events_after("resp_1", -1, 10) == [(0, "e0"), (1, "e1")]
+
+    run(main)
+
+
 def test_put_replaces_a_record_keeping_its_events(address: str) -> None:
     async def main() -> None:
         async with opened(address) as store:
