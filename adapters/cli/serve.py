@@ -88,6 +88,7 @@ class ServeOptions:
     fake: bool = False
     fake_step_ms: float = 0.0
     fake_prefill_ms_per_token: float = 0.0
+    fake_ignore_eos: bool = False
     drain_timeout_s: float = 30.0
     heartbeat_timeout_s: float = 3.0
     max_resumes: int = 2
@@ -154,6 +155,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--fake-prefill-ms-per-token", type=float, default=0.0, metavar="MS",
         help="the fake decoder's first token waits this per context token not found in "
         "its prefix cache",
+    )  # fmt: skip
+    parser.add_argument(
+        "--fake-ignore-eos", action="store_true",
+        help="the fake decoder runs every answer to its token budget (fixed-length outputs)",
     )  # fmt: skip
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS")
     parser.add_argument("--heartbeat-timeout", type=float, default=3.0, metavar="SECONDS")
@@ -272,6 +277,7 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
         fake=args.fake,
         fake_step_ms=args.fake_step_ms,
         fake_prefill_ms_per_token=args.fake_prefill_ms_per_token,
+        fake_ignore_eos=args.fake_ignore_eos,
         drain_timeout_s=args.drain_timeout,
         heartbeat_timeout_s=args.heartbeat_timeout,
         max_resumes=args.max_resumes,
@@ -301,7 +307,7 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
 
 
 _ENGINE_FLAGS = ("--threads", "--weights", "--decode", "--decode-attention")
-_FAKE_FLAGS = ("--fake-step-ms", "--fake-prefill-ms-per-token")
+_FAKE_FLAGS = ("--fake-step-ms", "--fake-prefill-ms-per-token", "--fake-ignore-eos")
 
 
 def unused_flag_rules(args: argparse.Namespace) -> list[tuple[bool, tuple[str, ...], str]]:
@@ -385,7 +391,9 @@ def _say_who_may_enter(options: ServeOptions, keys: ApiKeys, port: int) -> None:
 def build_model(options: ServeOptions) -> tuple[ServedModel, Decoder | None]:
     """The served model's boundary half, and the decoder for an in-process worker."""
     fake = FakeOptions(
-        options.fake_step_ms / 1000, prefill_s_per_token=options.fake_prefill_ms_per_token / 1000
+        options.fake_step_ms / 1000,
+        prefill_s_per_token=options.fake_prefill_ms_per_token / 1000,
+        ignore_eos=options.fake_ignore_eos,
     )
     if options.fake:
         name = options.served_model_name or "fake"

@@ -317,7 +317,7 @@ def test_store_false_writes_nothing_of_the_prompt_or_answer(tmp_path: Path) -> N
 
 
 def router_killed_mid_response(store: str) -> None:
-    serve = fencepost("serve", "--fake", "--fake-step-ms", "50", "--port", "0",
+    serve = fencepost("serve", "--fake", "--fake-step-ms", "50", "--fake-ignore-eos", "--port", "0",
                       "--state-store", store, "--store-lease", "1")  # fmt: skip
     try:
         log = LogWatcher(serve)
@@ -374,7 +374,7 @@ def test_a_store_down_while_serving_refuses_what_needs_it() -> None:
             chat = client.chat.completions.create(
                 model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=3
             )
-            assert chat.choices[0].message.content  # plain chats go on
+            assert chat.choices[0].finish_reason in ("stop", "length")  # plain chats go on
             unstored = client.responses.create(model="fake", input="z", store=False)
             assert unstored.status == "completed"
             database.start()
