@@ -28,7 +28,7 @@ from typing import Any
 import trio
 
 from adapters.openai.egress import ClientOverflow
-from adapters.state import Record, StateStore, StoreUnavailable
+from adapters.state import Record, StateStore
 
 log = logging.getLogger("fencepost.http")
 
@@ -48,7 +48,6 @@ class EventLog:
     def __init__(self, encode_delta: Callable[[str, int], bytes]) -> None:
         self._encode_delta = encode_delta
         self.frames: list[bytes] = []
-        self.bytes = 0
         self.closed = False
         self.failed: ClientOverflow | None = None  # never set: nobody falls behind a log
         self._lot = trio.lowlevel.ParkingLot()
@@ -74,7 +73,6 @@ class EventLog:
     def _append(self, frame: bytes) -> None:
         assert not self.closed, "an event after the log closed"
         self.frames.append(frame)
-        self.bytes += len(frame)
         self._lot.unpark_all()
 
 
@@ -89,8 +87,6 @@ class LiveRun:
     readers: int = 0
     flushed: int = 0  # events appended to the store so far
     flushing: bool = True  # False once the store refused more (its byte bound)
-    cancelled: bool = False  # a client asked (POST .../cancel)
-    abandoned: bool = False  # its last reader left and nobody came back in time
     ended: trio.Event = field(default_factory=trio.Event)  # its final record is written
 
     @property
@@ -159,4 +155,4 @@ async def follow(
         await trio.sleep(poll_s)
 
 
-__all__ = ["EventLog", "LiveRun", "StoreUnavailable", "follow"]
+__all__ = ["EventLog", "LiveRun", "follow"]

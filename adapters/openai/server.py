@@ -719,7 +719,6 @@ class FencepostApp:
         if run.readers == 0 and not run.log.closed:
             log.info("%s: no reader came back in %.0f s; cancelled", run.id,
                      self.limits.rejoin_grace_s)  # fmt: skip
-            run.abandoned = True
             run.scope.cancel()
 
     async def _stored(self, record_id: str, kind: str) -> Record | Response:
@@ -801,7 +800,6 @@ class FencepostApp:
             return error_response(invalid(message, "response_id"))
         run = self.runs.get(response_id)
         if run is not None:
-            run.cancelled = True
             run.scope.cancel()
             with trio.move_on_after(FINAL_WRITE_S):
                 await run.ended.wait()
@@ -810,13 +808,11 @@ class FencepostApp:
             return json_response(record.body)  # it has ended: cancelling changes nothing
         try:
             await self.state.request_cancel(response_id)
+            found: Record | Gone | None = record
             with trio.move_on_after(REMOTE_CANCEL_S):
-                while True:
-                    found = await self.state.get(response_id)
-                    if not isinstance(found, Record) or not found.live:
-                        break
+                while isinstance(found, Record) and found.live:
                     await trio.sleep(0.1)
-            found = await self.state.get(response_id)
+                    found = await self.state.get(response_id)
         except StoreUnavailable as down:
             return self._store_down(down)
         if isinstance(found, Record):
@@ -868,7 +864,6 @@ class FencepostApp:
                     for response_id in await self.state.cancels(self.owner):
                         run = self.runs.get(response_id)
                         if run is not None:
-                            run.cancelled = True
                             run.scope.cancel()
                 if now >= next_reap:
                     for response_id in await self.state.reap():
