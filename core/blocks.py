@@ -196,6 +196,19 @@ class BlockManager:
             held.table.append(self._fresh())
         return True
 
+    def trim(self, key: int, positions: int) -> None:
+        """Give back sequence `key`'s blocks past its first `positions` positions: the
+        ones a verification wrote ahead of what it accepted. Only blocks never
+        committed go (they hold no other sequence's tokens, so they are free again)."""
+        held = self._holder(key)
+        keep = max(blocks_for(positions, self.block_size), held.committed)
+        while len(held.table) > keep:
+            block = held.table.pop()
+            self._refs[block] -= 1
+            if self._refs[block] != 0 or block in self._key_of:
+                raise BlockError(f"block {block} trimmed while shared or cached")
+            self._free.append(block)
+
     def commit(self, key: int, tokens: Sequence[int]) -> None:
         """Sequence `key` has written its first len(tokens) positions (these token
         ids): key its newly full blocks so later sequences can share them."""

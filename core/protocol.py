@@ -262,7 +262,10 @@ class CacheReport(Struct, frozen=True, array_like=True):
     those actually computed (the rest came from the cache). total_blocks,
     free_blocks and cached_blocks say how the KV pool stands (cached: kept for
     reuse, held by no sequence; the rest of the pool is held by running ones), for
-    dashboards; 0 and 0 from a worker that does not say. They come last, so a
+    dashboards; 0 and 0 from a worker that does not say. spec_rows,
+    spec_proposed and spec_accepted count speculative decoding over the
+    process's life: sequence-steps that verified guesses, the tokens guessed,
+    and of those the ones equal to the model's own draw. They come last, so a
     router decodes an older worker's shorter report (upgrade routers first).
     """
 
@@ -274,6 +277,9 @@ class CacheReport(Struct, frozen=True, array_like=True):
     total_blocks: Count = 0
     free_blocks: Count = 0
     cached_blocks: Count = 0
+    spec_rows: Count = 0
+    spec_proposed: Count = 0
+    spec_accepted: Count = 0
 
 
 class Heartbeat(WireMessage, frozen=True):

@@ -63,6 +63,8 @@ class Pool(Protocol):
 
     def table(self, key: int) -> list[int]: ...
 
+    def trim(self, key: int, positions: int) -> None: ...
+
     def release(self, key: int) -> None: ...
 
 
@@ -135,6 +137,31 @@ class Scheduler:
         if entry.state is not SeqState.DECODING:
             raise SchedulerMisuse(f"sequence {key} emitted a token while {entry.state}")
         entry.tokens.append(token)
+
+    def lookahead(self, key: int, extra: int) -> int:
+        """Blocks for up to `extra` positions past a decoding sequence's next one (its
+        speculative tokens, verified in one pass), taken only where the pool has them
+        to spare: a block is left for each running sequence's growth and nobody is
+        preempted. Never past the most the sequence may hold. Returns how many of
+        the `extra` positions its table covers now; `settle` gives the rest back."""
+        entry = self._entry(key)
+        if entry.state is not SeqState.DECODING:
+            raise SchedulerMisuse(f"sequence {key} cannot look ahead while {entry.state}")
+        pool = self.pool
+        positions = len(entry.tokens)  # the next position written is positions - 1
+        want = min(positions + max(extra, 0), entry.whole)
+        have = len(pool.table(key))
+        spare = max(pool.available - len(self._running), 0)
+        blocks = min(blocks_for(want, pool.block_size), have + spare)
+        if blocks > have and not pool.extend(key, blocks * pool.block_size):
+            blocks = have
+        return max(min(want, blocks * pool.block_size) - positions, 0)
+
+    def settle(self, key: int) -> None:
+        """After a verification: a decoding sequence keeps the blocks its next position
+        needs, and the ones looked ahead past it go back to the pool."""
+        entry = self._entry(key)
+        self.pool.trim(key, len(entry.tokens))
 
     # --- what the caller asks ---
 

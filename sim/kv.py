@@ -108,6 +108,15 @@ class KvModel:
             self._tables[key] = list(table)
         return grown
 
+    def trim(self, key: int, positions: int) -> None:
+        self.manager.trim(key, positions)
+        table = self.manager.table(key)
+        for block in self._tables[key][len(table) :]:
+            self._readers.get(block, set()).discard(key)
+            self._content.pop(block, None)
+        self._tables[key] = list(table)
+        self._written[key] = min(self._written[key], positions)
+
     def _fresh(self, key: int, block: int) -> None:
         readers = self._readers.setdefault(block, set())
         if readers:

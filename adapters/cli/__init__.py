@@ -88,6 +88,29 @@ def add_threads_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
 
 
+# adapters/engine/speculative.py SPECULATIVE_KINDS (a test keeps them alike).
+SPECULATIVE_CHOICES = ("auto", "none", "ngram", "draft")
+
+
+def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    """--speculative, --draft-model and --speculative-tokens, as serve, worker and the
+    engine bench take them."""
+    parser.add_argument(
+        "--speculative", choices=SPECULATIVE_CHOICES, default="auto",
+        help="speculative decoding (never changes a token): ngram = guesses looked up in "
+        "the prompt and output, draft = guesses of --draft-model; auto = draft when a draft "
+        "model is given, else none (ngram is not yet measured no slower on chat)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--draft-model", default=None, metavar="PATH",
+        help="a smaller model with the same tokenizer that proposes tokens (HF directory or .gguf)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--speculative-tokens", type=positive, default=8, metavar="N",
+        help="the most tokens a sequence proposes in one step (fewer while its guesses miss)",
+    )  # fmt: skip
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Everything an engine is built from (adapters/engine/options.py's EngineOptions),
     as serve and worker take it: --model, --slots, --max-context, --threads, --weights,
@@ -106,6 +129,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_weights_argument(parser)
     add_kv_cache_arguments(parser)
     add_decode_arguments(parser)
+    add_speculative_arguments(parser)
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
@@ -120,6 +144,9 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
         attention=args.decode_attention,
         kv_cache_tokens=args.kv_cache_tokens,
         prefix_caching=not args.no_prefix_cache,
+        speculative=args.speculative,
+        draft_model=args.draft_model,
+        speculative_tokens=args.speculative_tokens,
     )
 
 

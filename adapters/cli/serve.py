@@ -85,6 +85,9 @@ class ServeOptions:
     kv_cache_tokens: int | None = None  # None: sized from memory (the fake: the default)
     decode: str = "auto"
     decode_attention: str = "auto"
+    speculative: str = "auto"
+    draft_model: str | None = None
+    speculative_tokens: int = 8
     fake: bool = False
     fake_step_ms: float = 0.0
     fake_prefill_ms_per_token: float = 0.0
@@ -119,6 +122,9 @@ class ServeOptions:
             attention=self.decode_attention,
             kv_cache_tokens=self.kv_cache_tokens,
             prefix_caching=self.prefix_caching,
+            speculative=self.speculative,
+            draft_model=self.draft_model,
+            speculative_tokens=self.speculative_tokens,
         )
 
 
@@ -274,6 +280,9 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
         kv_cache_tokens=args.kv_cache_tokens,
         decode=args.decode,
         decode_attention=args.decode_attention,
+        speculative=args.speculative,
+        draft_model=args.draft_model,
+        speculative_tokens=args.speculative_tokens,
         fake=args.fake,
         fake_step_ms=args.fake_step_ms,
         fake_prefill_ms_per_token=args.fake_prefill_ms_per_token,

@@ -73,6 +73,13 @@ from adapters.engine.options import DEFAULT_KV_CACHE_TOKENS
 from adapters.engine.paged_attention import ATTENTIONS, choose_attention, make_attention
 from adapters.engine.runner import DEFAULT_BLOCK_SIZE, Chunk, Runner
 from adapters.engine.sampling import TokenDraw, sample, sample_whole
+from adapters.engine.speculative import (
+    DraftProposer,
+    NgramProposer,
+    Pacer,
+    SpecStats,
+    SpeculativeOptions,
+)
 from adapters.engine.static_decode import StaticDecode
 from adapters.engine.weights import NATIVE
 from core.batching import BatchLimits
@@ -110,6 +117,7 @@ class _Sequence:
     request: GenerationRequest
     generation: Generation  # the output so far: a continuation starts with its prefix
     matcher: LLMatcher | None = None  # the grammar's state past the output (constrained only)
+    pacer: Pacer | None = None  # how many tokens it proposes (speculative decoding only)
 
     @property
     def assignment(self) -> Assignment:
@@ -174,6 +182,8 @@ class Engine:
         attention: str = "auto",
         kv_cache_share: float | None = None,
         gpu_path: bool | None = None,
+        speculative: SpeculativeOptions | None = None,
+        draft: tuple[LoadedModel, str] | None = None,
     ) -> None:
         limits = limits or BatchLimits(max_context=min(2048, loaded.max_context))
         if limits.max_context > loaded.max_context:
@@ -219,6 +229,34 @@ class Engine:
         self._report = CacheReport(block_size, total_blocks=pool, free_blocks=pool)
         self._keys_at = -KEYS_EVERY_S  # when the report's keys were last listed
         self._grammars = None if grammar_tokenizer is None else Grammars(grammar_tokenizer)
+        self.speculative = speculative
+        self.spec_stats = SpecStats()
+        self._proposer = self._make_proposer(speculative, draft)
+        if speculative is not None:
+            say(speculative.describe())
+
+    def _make_proposer(
+        self, options: SpeculativeOptions | None, draft: tuple[LoadedModel, str] | None
+    ) -> NgramProposer | DraftProposer | None:
+        if options is None:
+            if draft is not None:
+                raise ValueError("a draft model is given but speculative decoding is off")
+            return None
+        if options.kind == "ngram":
+            return NgramProposer(options)
+        if draft is None:
+            raise ValueError("speculative decoding by a draft model needs --draft-model")
+        model, fmt = draft
+        if (problem := draft_problem(self.loaded, model)) is not None:
+            raise ValueError(f"the draft model {model.name} cannot draft for "
+                             f"{self.loaded.name}: {problem}")  # fmt: skip
+        runner = self.runner
+        if model.max_context < runner.max_context:
+            raise ValueError(f"the draft model {model.name} serves {model.max_context} tokens "
+                             f"of context, less than the {runner.max_context} served")  # fmt: skip
+        drafting = Runner(model, runner.num_blocks, runner.block_size, runner.max_context, fmt)
+        say(f"draft model: {model.name} ({model.family}, {fmt}), {runner.num_blocks} KV blocks")
+        return DraftProposer(drafting, runner.vocab_size)
 
     def _static_decode(self, decode: str, attention: str) -> StaticDecode | None:
         """The fixed-shape decode step `decode` asks for (captured as graphs or not), or
@@ -288,6 +326,8 @@ class Engine:
             return
         del self._sequences[key]
         self.scheduler.remove(key)
+        if self._proposer is not None:
+            self._proposer.forget(key)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._ended)
@@ -332,7 +372,8 @@ class Engine:
         preempted = len(schedule.preempted)
         plan = schedule.plan
         if plan.decode:
-            self._decode([self._sequences[key] for key in plan.decode], events)
+            room = self.limits.max_step_tokens - plan.tokens
+            self._decode([self._sequences[key] for key in plan.decode], events, room)
         decoded = time.perf_counter()
         chunks = [(self._sequences[k], n) for k, n in plan.prefill if k in self._sequences]
         if chunks:
@@ -359,10 +400,17 @@ class Engine:
             blocks.num_blocks,
             blocks.free_blocks(),
             blocks.cached_blocks(),
+            self.spec_stats.verified_rows,
+            self.spec_stats.proposed,
+            self.spec_stats.accepted,
         )
         return events
 
-    def _decode(self, seqs: list[_Sequence], events: list[DecoderEvent]) -> None:
+    def _decode(self, seqs: list[_Sequence], events: list[DecoderEvent], room: int = 0) -> None:
+        guesses = self._propose(seqs, room)
+        if guesses is not None:
+            self._verify(seqs, guesses, events)
+            return
         device = self.device
         where = [seq.position for seq in seqs]
         tables = [self.blocks.table(seq.key) for seq in seqs]
@@ -379,6 +427,136 @@ class Engine:
             if (position + 1) % self.blocks.block_size == 0:  # it filled a block
                 self.blocks.commit(seq.key, self.scheduler.tokens(seq.key)[: position + 1])
         self._choose(seqs, logits, masks, events)
+
+    def _propose(self, seqs: list[_Sequence], room: int) -> list[list[int]] | None:
+        """Each decoding sequence's guesses of its next tokens, or None when no sequence
+        has any (the step decodes as it would without speculation). A guess never
+        reaches the request's budget (the run's last token is always the target's
+        own draw), the context's end, a token the grammar refuses, or past the blocks
+        the pool has to spare; all guesses together stay within the step's budget."""
+        options, proposer = self.speculative, self._proposer
+        if options is None or proposer is None:
+            return None
+        budget = min(options.step_budget - len(seqs), room)
+        if budget <= 0:
+            return None
+        wanted = []
+        for seq in seqs:
+            if seq.pacer is None:
+                seq.pacer = Pacer(options.max_tokens)
+            generation = seq.generation
+            count = min(
+                seq.pacer.length,
+                generation.max_new_tokens - generation.next_index - 1,
+                self.limits.max_context - 1 - seq.position,
+            )
+            if isinstance(proposer, DraftProposer):  # it makes what it is asked for
+                count = min(count, budget)
+                budget -= max(count, 0)
+            wanted.append((seq.key, self.scheduler.tokens(seq.key), count, seq.draw()))
+        guesses = proposer.propose(wanted)
+        vocab = self.runner.vocab_size
+        for row, seq in enumerate(seqs):
+            guess = (
+                guesses[row][: max(budget, 0)]
+                if isinstance(proposer, NgramProposer)
+                else guesses[row]
+            )
+            # the run stops short of a token out of the vocabulary or one that would end it
+            # (an end the model reaches draws that token itself, as the run's last)
+            stops = seq.generation.stop_ids
+            cut = next((i for i, t in enumerate(guess) if t >= vocab or t in stops), len(guess))
+            guess = guess[:cut]
+            if guess and seq.matcher is not None:
+                guess = guess[: seq.matcher.validate_tokens(guess)]
+            if guess:
+                guess = guess[: self.scheduler.lookahead(seq.key, len(guess))]
+            if isinstance(proposer, NgramProposer):
+                budget -= len(guess)
+            guesses[row] = guess
+        return guesses if any(guesses) else None
+
+    def _verify(
+        self, seqs: list[_Sequence], guesses: list[list[int]], events: list[DecoderEvent]
+    ) -> None:
+        """Every decoding sequence's last token and its guesses in one packed pass (a
+        sequence without guesses is a one-token chunk: its decode), a token drawn at
+        every position exactly as plain decoding draws it there, and each sequence's
+        drawn tokens delivered in order while each equals the guess before it."""
+        chunks: list[Chunk] = []
+        draws: list[TokenDraw] = []
+        tops: list[int | None] = []
+        starts: list[int] = []
+        for seq, guess in zip(seqs, guesses, strict=True):
+            run = [seq.generation.output[-1], *guess]
+            table = self.blocks.table(seq.key)
+            chunks.append(Chunk(table, seq.position, torch.tensor(run, device=self.device)))
+            starts.append(len(draws))
+            first = seq.draw()
+            draws += [first._replace(token_index=first.token_index + j) for j in range(len(run))]
+            tops += [seq.request.logprobs] * len(run)
+        masks = self._run_masks(seqs, guesses, starts)
+        logits = self.runner.prefill_packed(chunks, range(len(draws)))
+        if masks is not None:
+            logits = self.grammars().apply(logits, *masks)
+        picks = sample_rows(logits, draws)
+        if self.runner.check_indices:
+            check_picks(picks, self.runner.vocab_size)
+        records = logprob_records(logits, picks, draws, tops)
+        stats = self.spec_stats
+        stats.steps += 1
+        for seq, guess, start in zip(seqs, guesses, starts, strict=True):
+            accepted = emitted = 0
+            ended = False
+            for j in range(len(guess) + 1):
+                token = picks[start + j]
+                emitted += 1
+                ended = self._emit(seq, token, events, records[start + j])
+                if ended or j == len(guess) or token != guess[j]:
+                    accepted += int(j < len(guess) and token == guess[j])
+                    break
+                accepted += 1
+            if guess:
+                stats.verified_rows += 1
+                stats.proposed += len(guess)
+                stats.accepted += accepted
+                stats.emitted += emitted
+            if ended:
+                continue
+            assert seq.pacer is not None
+            seq.pacer.update(len(guess), accepted)
+            tokens = self.scheduler.tokens(seq.key)
+            self.blocks.commit(seq.key, tokens[: len(tokens) - 1])  # the positions now written
+            self.scheduler.settle(seq.key)  # blocks looked ahead for rejected guesses go back
+
+    def _run_masks(
+        self, seqs: list[_Sequence], guesses: list[list[int]], starts: list[int]
+    ) -> tuple[list[int], Future[Penalty]] | None:
+        """The grammar's masks at every verified position of the constrained sequences:
+        each matcher is moved through its guesses (which it accepts: _propose checked)
+        to mask the position after each, then back."""
+        held = [(row, seq.matcher) for row, seq in enumerate(seqs) if seq.matcher is not None]
+        if not held:
+            return None
+        began = time.perf_counter()
+        grammars, vocab = self.grammars(), self.runner.vocab_size
+        rows: list[int] = []
+        parts: list[torch.Tensor] = []
+        for depth in range(max(len(guesses[row]) for row, _ in held) + 1):
+            level = [(row, m) for row, m in held if len(guesses[row]) >= depth]
+            parts.append(grammars.penalties([m for _, m in level], vocab).result().penalty)
+            rows += [starts[row] + depth for row, _ in level]
+            for row, matcher in level:
+                if depth < len(guesses[row]):
+                    matcher.consume_token(guesses[row][depth])
+        for row, matcher in held:
+            if guesses[row]:
+                matcher.rollback(len(guesses[row]))
+        order = sorted(range(len(rows)), key=rows.__getitem__)  # apply() wants rows in order
+        penalty = torch.cat(parts)[torch.tensor(order)]
+        done: Future[Penalty] = Future()
+        done.set_result(Penalty(penalty, time.perf_counter() - began))
+        return [rows[i] for i in order], done
 
     def _prefill(self, chunks: list[tuple[_Sequence, int]], events: list[DecoderEvent]) -> None:
         """Every prefill chunk of the step in one forward pass; the sequences whose
@@ -439,7 +617,9 @@ class Engine:
         token: int,
         events: list[DecoderEvent],
         record: TokenLogprob | None = None,
-    ) -> None:
+    ) -> bool:
+        """Deliver a sequence's next token; True when its output ended with it (the
+        sequence is stopped then)."""
         ended = seq.generation.emit(token, events, record)
         if not ended:
             self.scheduler.emitted(seq.key, token)
@@ -449,6 +629,7 @@ class Engine:
             ended = True
         if ended:
             self.stop(seq.assignment)  # its row and blocks are free for the next step
+        return ended
 
     def reset(self) -> list[Assignment]:
         """Forget everything (after a failed step); returns what was dropped."""
@@ -501,6 +682,16 @@ def pool_size(runner: Runner, limits: BatchLimits, share: float | None) -> tuple
     if context < limits.max_context:
         line += f" (context cut from {limits.max_context} to fit)"
     return tokens, context, line + "; --kv-cache-tokens sets it"
+
+
+def draft_problem(target: LoadedModel, draft: LoadedModel) -> str | None:
+    """Why `draft` cannot propose tokens for `target`, or None: its tokens must mean
+    what the target's mean (the same tokenizer)."""
+    if target.tokenizer is None or draft.tokenizer is None:
+        return "both need a tokenizer to compare"
+    if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        return "its tokenizer differs from the target's"
+    return None
 
 
 def loaded_name(engine: Engine) -> str:

@@ -22,7 +22,10 @@ class EngineOptions:
     CPU threads (None: decided by build.py from the device and the weight format).
     weights: a format of weights.py, or "auto" (measured at start on CPU, bf16 on CUDA).
     kv_cache_tokens: positions the KV pool holds (None: sized from free memory).
-    decode and attention: Engine's decode path and fixed-shape attention."""
+    decode and attention: Engine's decode path and fixed-shape attention.
+    speculative: "auto", "none", "ngram" or "draft" (build.py resolves auto);
+    draft_model: the draft's HF directory or .gguf (its tokenizer the model's);
+    speculative_tokens: the most tokens a sequence proposes in one step."""
 
     model: str | None = None
     max_context: int | None = None
@@ -33,6 +36,9 @@ class EngineOptions:
     attention: str = "auto"
     kv_cache_tokens: int | None = None
     prefix_caching: bool = True
+    speculative: str = "auto"
+    draft_model: str | None = None
+    speculative_tokens: int = 8
 
 
 def served_context(trained: int, asked: int | None) -> int:

@@ -121,6 +121,12 @@ def worker_row(view: WorkerView) -> dict[str, Any]:
             "computed_tokens": cache.computed_tokens,
             "hit_rate": None if hit is None else round(hit, 4),
             "prefill_rate": round(cache.prefill_rate, 1),
+            "spec_proposed": cache.spec_proposed,
+            "spec_accepted": cache.spec_accepted,
+            # tokens accepted per verification (each also delivers the model's own next one)
+            "spec_mean_accepted": (
+                round(cache.spec_accepted / cache.spec_rows, 2) if cache.spec_rows else None
+            ),
         }
     return {
         "id": view.worker_id,

@@ -105,6 +105,14 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.speculative = Gauge(
+            "fencepost_speculative_tokens_total",
+            "Speculative decoding, summed over the workers' current processes as they "
+            "report: tokens proposed, of them accepted (equal to the model's own draw), "
+            "and verifications (a sequence's guesses checked in one step)",
+            ["kind"],
+            registry=r,
+        )
         self.fenced = Gauge(
             "fencepost_fenced_messages",
             "Worker messages the router dropped and counted, by reason (duplicate, gap, "
@@ -192,7 +200,7 @@ class Metrics:
         )
         for gauge in per_worker:
             gauge.clear()  # only the workers the router knows now, with what it knows now
-        submitted = computed = 0
+        submitted = computed = rows = proposed = accepted = 0
         for worker in stats.router.workers:
             wid = worker.worker_id
             self.worker_requests.labels(wid).set(worker.placed)
@@ -211,6 +219,12 @@ class Metrics:
                 self.cache_block_size.labels(wid).set(cache.block_size)
                 submitted += worker.cache.prompt_tokens
                 computed += worker.cache.computed_tokens
+                rows += cache.spec_rows
+                proposed += cache.spec_proposed
+                accepted += cache.spec_accepted
         self.prefill_tokens.labels("submitted").set(submitted)
         self.prefill_tokens.labels("computed").set(computed)
+        self.speculative.labels("proposed").set(proposed)
+        self.speculative.labels("accepted").set(accepted)
+        self.speculative.labels("verifications").set(rows)
         return generate_latest(self.registry)

@@ -213,3 +213,22 @@ def test_every_sequence_finishes_exactly_once_with_its_own_tokens(
                         s.remove(key)
     assert done == want
     assert pool.holders() == 0 and pool.available == pool.num_blocks
+
+
+def test_lookahead_takes_only_spare_blocks_and_settle_gives_back_what_was_not_kept() -> None:
+    s = scheduler(6)  # blocks of 4 positions
+    s.add(1, [1, 2, 3], 20)
+    s.add(2, [4, 5, 6], 20)
+    prefill_all(s)
+    pool = s.pool
+    assert len(pool.table(1)) == len(pool.table(2)) == 1 and pool.available == 4
+    with pytest.raises(SchedulerMisuse):
+        s.lookahead(99, 3)
+    # 3 positions past the next: its block holds one, a second block the rest
+    assert s.lookahead(1, 3) == 3 and len(pool.table(1)) == 2 and pool.available == 3
+    # far more: only what leaves a block for each running sequence's growth (one more)
+    assert s.lookahead(2, 30) == 1 + 4 and pool.available == 2
+    s.emitted(1, 7)  # one token kept of its guesses: 4 positions, one block
+    s.settle(1)
+    s.settle(2)
+    assert len(pool.table(1)) == len(pool.table(2)) == 1 and pool.available == 4

@@ -518,3 +518,7 @@ def test_the_command_line_offers_exactly_the_decode_paths_and_attentions() -> No
 
     assert DECODE_PATHS == DECODE_CHOICES
     assert ("auto", *ATTENTIONS) == ATTENTION_CHOICES
+    from adapters.cli import SPECULATIVE_CHOICES
+    from adapters.engine.speculative import SPECULATIVE_KINDS
+
+    assert SPECULATIVE_KINDS == SPECULATIVE_CHOICES

@@ -1,0 +1,269 @@
+"""Speculative decoding: tokens proposed cheaply, kept only where the target draws them itself.
+
+A proposer guesses a decoding sequence's next few tokens; the engine
+(engine.py `_verify`) runs the sequence's last token and the guesses through
+the target model in one packed pass over the paged cache, exactly as a
+prefill chunk runs, and draws a token at every position with the draw plain
+decoding would make there (the TokenDraw of that output index: greedy, or
+the uniform hashed from (seed, index)). It keeps drawn tokens while each
+equals the guess before it, and the first one that differs ends the run.
+Every kept token is then the token plain decoding would have produced, since
+a prefilled position's logits are a decoded one's, so the text is the same
+with speculation on or off, greedy or sampled, in any batch and resumed from
+any cut (docs/design/engine.md, "Speculative decoding").
+
+Two proposers:
+
+* `NgramProposer`: the sequence's last n tokens (n from `max_ngram` down to
+  `min_ngram`) looked up among its own earlier tokens, prompt and output, and
+  the tokens that followed the latest earlier match proposed. No model, and
+  an index per sequence updated as tokens arrive, so a lookup costs a few
+  dictionary reads: strong where the answer copies its context (editing,
+  code, quoted passages, repeated JSON), silent elsewhere.
+* `DraftProposer`: a second, smaller model with the same tokenizer, in the
+  same worker, with its own paged KV pool. Each step it catches up with what
+  the target accepted (one packed pass over every proposing sequence), then
+  decodes its guesses a token at a time, all sequences batched. It draws its
+  guesses with the target's own TokenDraw for each index, so for a seeded
+  request the draft and the target turn the same uniform number into a
+  token: where their distributions are close, the guesses agree with the
+  target's draws even when sampling.
+
+`Pacer` sets how many tokens a sequence proposes from its recent verifications
+(it grows while every guess is accepted, and falls back to one past the last
+accepted run), and the engine gives speculation a step's budget of verified
+positions (`SpeculativeOptions.step_budget`) so a large batch, already at the
+compute bound, steps aside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from adapters.engine.runner import Chunk, Runner
+from adapters.engine.sampling import TokenDraw
+from core.blocks import BlockManager
+
+SPECULATIVE_KINDS = ("auto", "none", "ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeOptions:
+    """kind: "ngram" or "draft" (engine.py takes None for none). max_tokens: the most
+    a sequence proposes in one step. step_budget: the most positions a step verifies,
+    decode rows and proposals together; a batch with as many decode rows proposes
+    nothing. min_ngram, max_ngram: the n-gram lengths looked up, longest first."""
+
+    kind: str = "ngram"
+    max_tokens: int = 8
+    step_budget: int = 12
+    min_ngram: int = 2
+    max_ngram: int = 4
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("ngram", "draft"):
+            raise ValueError(f"speculative kind {self.kind!r}: ngram or draft")
+        if not 1 <= self.max_tokens <= 64:
+            raise ValueError(f"speculative tokens {self.max_tokens}: from 1 to 64")
+        if self.step_budget < 2:
+            raise ValueError(f"speculative step budget {self.step_budget}: at least 2")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"n-gram lengths {self.min_ngram}..{self.max_ngram}")
+
+    def describe(self) -> str:
+        looked = f"n-grams of {self.max_ngram} down to {self.min_ngram} tokens"
+        what = looked if self.kind == "ngram" else "a draft model"
+        return (
+            f"speculative decoding: {self.kind} ({what}), up to {self.max_tokens} tokens a "
+            f"sequence, at most {self.step_budget} verified positions a step"
+        )
+
+
+@dataclass
+class SpecStats:
+    """Counts over the engine's life, for /metrics and benchmarks."""
+
+    steps: int = 0  # steps that verified proposals
+    verified_rows: int = 0  # sequence-steps with proposals (each a run of accepted tokens)
+    proposed: int = 0  # tokens proposed
+    accepted: int = 0  # of those, equal to the target's own draw
+    emitted: int = 0  # tokens the verified rows delivered (accepted, and each run's last)
+
+
+class Pacer:
+    """How many tokens one sequence proposes next: doubles (up to the most) while every
+    guess is accepted, and drops to one more than the run just accepted otherwise."""
+
+    __slots__ = ("length", "most")
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.length = max(1, most // 2)
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed == 0:
+            return
+        if accepted >= proposed:
+            self.length = min(self.most, self.length * 2)
+        else:
+            self.length = min(self.most, accepted + 1)
+
+
+class NgramIndex:
+    """One sequence's n-grams: for each of length min..max, where its latest earlier
+    occurrence ended. Indexed up to one token short of the end, so that the lookup
+    of the sequence's own last n tokens finds an earlier occurrence, not itself."""
+
+    __slots__ = ("indexed", "lengths", "where")
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.lengths = range(max_n, min_n - 1, -1)
+        self.where: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending at positions before this are in `where`
+
+    def propose(self, tokens: Sequence[int], count: int) -> list[int]:
+        """Up to `count` tokens that followed the latest earlier occurrence of the
+        longest suffix of `tokens` found."""
+        end = len(tokens)
+        lengths = self.lengths
+        where = self.where
+        for stop in range(self.indexed + 1, end):  # the n-grams ending before the last token
+            for n in lengths:
+                if stop >= n:
+                    where[tuple(tokens[stop - n : stop])] = stop
+        self.indexed = max(self.indexed, end - 1)
+        for n in lengths:
+            if end < n + 1:
+                continue
+            found = where.get(tuple(tokens[end - n : end]))
+            if found is not None:
+                return list(tokens[found : min(found + count, end)])
+        return []
+
+
+class NgramProposer:
+    def __init__(self, options: SpeculativeOptions) -> None:
+        self.options = options
+        self._indices: dict[int, NgramIndex] = {}
+
+    def propose(self, wanted: list[tuple[int, list[int], int, TokenDraw]]) -> list[list[int]]:
+        """For each (sequence key, its tokens, how many, the next draw): the guesses."""
+        out = []
+        for key, tokens, count, _ in wanted:
+            index = self._indices.get(key)
+            if index is None:
+                index = NgramIndex(self.options.min_ngram, self.options.max_ngram)
+                self._indices[key] = index
+            out.append(index.propose(tokens, count) if count > 0 else [])
+        return out
+
+    def forget(self, key: int) -> None:
+        self._indices.pop(key, None)
+
+
+@dataclass
+class _Drafted:
+    """What the draft's cache holds for one sequence: its tokens up to `confirmed`, and
+    past them the guesses it wrote last step (the target may have kept some)."""
+
+    confirmed: int = 0
+    guesses: list[int] = field(default_factory=list)
+
+
+class DraftProposer:
+    """A draft model's runner and KV pool beside the target's, one state per sequence.
+
+    The pool has as many blocks as the target's (the same sequences fit), with no
+    prefix caching of its own: the draft's state of a sequence lives only as long as
+    the sequence."""
+
+    def __init__(self, runner: Runner, target_vocab: int) -> None:
+        self.runner = runner
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching=False)
+        self.vocab = min(runner.vocab_size, target_vocab)
+        self._states: dict[int, _Drafted] = {}
+        self.device = runner.device
+
+    def forget(self, key: int) -> None:
+        if self._states.pop(key, None) is not None:
+            self.blocks.release(key)
+
+    def propose(self, wanted: list[tuple[int, list[int], int, TokenDraw]]) -> list[list[int]]:
+        from adapters.engine.engine import sample_rows  # the target's sampler, one definition
+
+        out: list[list[int]] = [[] for _ in wanted]
+        chunks, rows, live = [], [], []
+        first = 0
+        for slot, (key, tokens, count, _) in enumerate(wanted):
+            if count <= 0 or max(tokens) >= self.runner.vocab_size:
+                continue
+            start = self._catch_up(key, tokens, count)
+            if start is None:
+                continue
+            table = self.blocks.table(key)
+            piece = torch.tensor(tokens[start:], device=self.device)
+            chunks.append(Chunk(table, start, piece))
+            first += piece.shape[0]
+            rows.append(first - 1)
+            live.append(slot)
+        if not chunks:
+            return out
+        logits = self.runner.prefill_packed(chunks, rows)
+        draws = [wanted[slot][3] for slot in live]
+        guesses = sample_rows(logits[:, : self.vocab], draws)
+        for slot, token in zip(live, guesses, strict=True):
+            out[slot].append(token)
+        # one more guess a step for each sequence that wants more, all of them batched
+        for step in range(1, max(wanted[slot][2] for slot in live)):
+            live = [slot for slot in live if wanted[slot][2] > step]
+            if not live:
+                break
+            keys = [wanted[slot][0] for slot in live]
+            where = [len(wanted[slot][1]) - 1 + step for slot in live]
+            last = [out[slot][-1] for slot in live]
+            tables = [self.blocks.table(key) for key in keys]
+            pages = self.runner.pages(tables, max(where) + 1)
+            logits = self.runner.decode(
+                pages,
+                torch.tensor(where, device=self.device),
+                torch.tensor(last, device=self.device),
+            )
+            draws = [_advanced(wanted[slot][3], step) for slot in live]
+            for slot, token in zip(live, sample_rows(logits[:, : self.vocab], draws), strict=True):
+                out[slot].append(token)
+        for slot, (key, tokens, _, _) in enumerate(wanted):
+            state = self._states.get(key)
+            if state is not None and out[slot]:
+                state.confirmed = len(tokens)
+                state.guesses = out[slot][:-1]  # written to the cache; the last one is not
+        return out
+
+    def _catch_up(self, key: int, tokens: list[int], count: int) -> int | None:
+        """Where this sequence's catch-up chunk starts: past every token the draft's
+        cache holds that the target kept. Its blocks cover the guesses too; None when
+        the draft's pool cannot hold them (this step it proposes nothing)."""
+        positions = len(tokens) + count - 1
+        state = self._states.get(key)
+        if state is None:
+            if self.blocks.needed([], positions) > self.blocks.available:
+                return None
+            self.blocks.allocate(key, [], positions)
+            state = self._states[key] = _Drafted()
+        elif not self.blocks.extend(key, positions):
+            self.forget(key)
+            return None
+        kept = state.confirmed
+        for guess in state.guesses:
+            if kept >= len(tokens) or tokens[kept] != guess:
+                break
+            kept += 1
+        state.confirmed, state.guesses = min(kept, len(tokens) - 1), []
+        return state.confirmed
+
+
+def _advanced(draw: TokenDraw, by: int) -> TokenDraw:
+    """The draw `by` tokens later in the same output."""
+    return draw._replace(token_index=draw.token_index + by)
