@@ -256,7 +256,7 @@ class Engine:
                              f"of context, less than the {runner.max_context} served")  # fmt: skip
         drafting = Runner(model, runner.num_blocks, runner.block_size, runner.max_context, fmt)
         say(f"draft model: {model.name} ({model.family}, {fmt}), {runner.num_blocks} KV blocks")
-        return DraftProposer(drafting, runner.vocab_size)
+        return DraftProposer(drafting, runner.vocab_size, sample_rows)
 
     def _static_decode(self, decode: str, attention: str) -> StaticDecode | None:
         """The fixed-shape decode step `decode` asks for (captured as graphs or not), or

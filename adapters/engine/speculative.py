@@ -38,7 +38,7 @@ compute bound, steps aside.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -180,8 +180,14 @@ class DraftProposer:
     prefix caching of its own: the draft's state of a sequence lives only as long as
     the sequence."""
 
-    def __init__(self, runner: Runner, target_vocab: int) -> None:
+    def __init__(
+        self,
+        runner: Runner,
+        target_vocab: int,
+        sample: Callable[[torch.Tensor, list[TokenDraw]], list[int]],
+    ) -> None:
         self.runner = runner
+        self.sample = sample  # the target's sampler (engine.py's sample_rows)
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching=False)
         self.vocab = min(runner.vocab_size, target_vocab)
         self._states: dict[int, _Drafted] = {}
@@ -192,8 +198,6 @@ class DraftProposer:
             self.blocks.release(key)
 
     def propose(self, wanted: list[tuple[int, list[int], int, TokenDraw]]) -> list[list[int]]:
-        from adapters.engine.engine import sample_rows  # the target's sampler, one definition
-
         out: list[list[int]] = [[] for _ in wanted]
         chunks, rows, live = [], [], []
         first = 0
@@ -213,7 +217,7 @@ class DraftProposer:
             return out
         logits = self.runner.prefill_packed(chunks, rows)
         draws = [wanted[slot][3] for slot in live]
-        guesses = sample_rows(logits[:, : self.vocab], draws)
+        guesses = self.sample(logits[:, : self.vocab], draws)
         for slot, token in zip(live, guesses, strict=True):
             out[slot].append(token)
         # one more guess a step for each sequence that wants more, all of them batched
@@ -232,7 +236,7 @@ class DraftProposer:
                 torch.tensor(last, device=self.device),
             )
             draws = [_advanced(wanted[slot][3], step) for slot in live]
-            for slot, token in zip(live, sample_rows(logits[:, : self.vocab], draws), strict=True):
+            for slot, token in zip(live, self.sample(logits[:, : self.vocab], draws), strict=True):
                 out[slot].append(token)
         for slot, (key, tokens, _, _) in enumerate(wanted):
             state = self._states.get(key)
