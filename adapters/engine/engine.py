@@ -79,6 +79,7 @@ from adapters.engine.speculative import (
     Pacer,
     SpecStats,
     SpeculativeOptions,
+    advanced,
 )
 from adapters.engine.static_decode import StaticDecode
 from adapters.engine.weights import NATIVE
@@ -441,6 +442,7 @@ class Engine:
         if budget <= 0:
             return None
         wanted = []
+        asked = budget  # a draft makes what it is asked for: ask within the budget
         for seq in seqs:
             if seq.pacer is None:
                 seq.pacer = Pacer(options.max_tokens)
@@ -450,18 +452,14 @@ class Engine:
                 generation.max_new_tokens - generation.next_index - 1,
                 self.limits.max_context - 1 - seq.position,
             )
-            if isinstance(proposer, DraftProposer):  # it makes what it is asked for
-                count = min(count, budget)
-                budget -= max(count, 0)
+            if isinstance(proposer, DraftProposer):
+                count = min(count, asked)
+                asked -= max(count, 0)
             wanted.append((seq.key, self.scheduler.tokens(seq.key), count, seq.draw()))
         guesses = proposer.propose(wanted)
         vocab = self.runner.vocab_size
         for row, seq in enumerate(seqs):
-            guess = (
-                guesses[row][: max(budget, 0)]
-                if isinstance(proposer, NgramProposer)
-                else guesses[row]
-            )
+            guess = guesses[row][: max(budget, 0)]
             # the run stops short of a token out of the vocabulary or one that would end it
             # (an end the model reaches draws that token itself, as the run's last)
             stops = seq.generation.stop_ids
@@ -471,8 +469,7 @@ class Engine:
                 guess = guess[: seq.matcher.validate_tokens(guess)]
             if guess:
                 guess = guess[: self.scheduler.lookahead(seq.key, len(guess))]
-            if isinstance(proposer, NgramProposer):
-                budget -= len(guess)
+            budget -= len(guess)
             guesses[row] = guess
         return guesses if any(guesses) else None
 
@@ -493,7 +490,7 @@ class Engine:
             chunks.append(Chunk(table, seq.position, torch.tensor(run, device=self.device)))
             starts.append(len(draws))
             first = seq.draw()
-            draws += [first._replace(token_index=first.token_index + j) for j in range(len(run))]
+            draws += [advanced(first, j) for j in range(len(run))]
             tops += [seq.request.logprobs] * len(run)
         masks = self._run_masks(seqs, guesses, starts)
         logits = self.runner.prefill_packed(chunks, range(len(draws)))
@@ -506,21 +503,19 @@ class Engine:
         stats = self.spec_stats
         stats.steps += 1
         for seq, guess, start in zip(seqs, guesses, starts, strict=True):
-            accepted = emitted = 0
-            ended = False
+            accepted = 0
             for j in range(len(guess) + 1):
                 token = picks[start + j]
-                emitted += 1
                 ended = self._emit(seq, token, events, records[start + j])
-                if ended or j == len(guess) or token != guess[j]:
-                    accepted += int(j < len(guess) and token == guess[j])
+                kept = j < len(guess) and token == guess[j]
+                accepted += kept
+                if ended or not kept:
                     break
-                accepted += 1
             if guess:
                 stats.verified_rows += 1
                 stats.proposed += len(guess)
                 stats.accepted += accepted
-                stats.emitted += emitted
+                stats.emitted += j + 1
             if ended:
                 continue
             assert seq.pacer is not None

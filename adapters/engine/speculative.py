@@ -202,10 +202,13 @@ class DraftProposer:
         chunks, rows, live = [], [], []
         first = 0
         for slot, (key, tokens, count, _) in enumerate(wanted):
-            if count <= 0 or max(tokens) >= self.runner.vocab_size:
+            if count <= 0:
                 continue
             start = self._catch_up(key, tokens, count)
             if start is None:
+                continue
+            if max(tokens[start:]) >= self.runner.vocab_size:  # earlier ones were checked
+                self.forget(key)  # a token the draft cannot read: it drafts no more here
                 continue
             table = self.blocks.table(key)
             piece = torch.tensor(tokens[start:], device=self.device)
@@ -235,7 +238,7 @@ class DraftProposer:
                 torch.tensor(where, device=self.device),
                 torch.tensor(last, device=self.device),
             )
-            draws = [_advanced(wanted[slot][3], step) for slot in live]
+            draws = [advanced(wanted[slot][3], step) for slot in live]
             for slot, token in zip(live, self.sample(logits[:, : self.vocab], draws), strict=True):
                 out[slot].append(token)
         for slot, (key, tokens, _, _) in enumerate(wanted):
@@ -268,6 +271,6 @@ class DraftProposer:
         return state.confirmed
 
 
-def _advanced(draw: TokenDraw, by: int) -> TokenDraw:
+def advanced(draw: TokenDraw, by: int) -> TokenDraw:
     """The draw `by` tokens later in the same output."""
     return draw._replace(token_index=draw.token_index + by)
