@@ -24,6 +24,10 @@ With --constrained (or --json-schema FILE) it also runs, at each concurrency,
 the same number of streams asking for JSON, once free and once constrained
 to the schema (default: TYPICAL_SCHEMA), side by side on one engine that stops
 at EOS: a stream that ends early is replaced, so the batch stays full.
+
+With --speculative KIND it runs, in place of the rows above, decoding with and
+without speculation side by side (bench/speculative.py): an editing task, chat
+at each concurrency, and the cost of verifying k guesses.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from adapters.engine.options import DEFAULT_KV_CACHE_TOKENS
 from adapters.engine.runner import DEFAULT_BLOCK_SIZE
 from adapters.engine.sampling import TokenDraw
 from bench import measure
+from bench import speculative as speculative_bench
 from core.batching import BatchLimits
 from core.protocol import Assignment, Constraint, Decoded, DecodeDone, GenerationRequest, Sampling
 
@@ -324,6 +329,7 @@ def main(
     device: str = "auto",
     decode: str = "auto",
     attention: str = "auto",
+    speculative: dict[str, Any] | None = None,
 ) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
@@ -340,8 +346,6 @@ def main(
         f"{'sized from free memory' if kv_cache_tokens is None else f'{kv_cache_tokens} tokens'} "
         f"in blocks of {block_size}, decode {decode}"
     )
-    hf = hf_generate_rate(loaded, prompt, tokens)
-    print(f"  HF generate, 1 stream:              {hf:8.1f} tok/s   (1.00x)")
     limits = BatchLimits(max_seqs=max(concurrency), max_context=2048)
     weights = weight_format(loaded, weights, limits.max_seqs)
     engine_of = functools.partial(
@@ -354,6 +358,11 @@ def main(
         decode=decode,
         attention=attention,
     )
+    if speculative is not None:  # its own comparison, in place of the rows below
+        return speculative_bench.main(loaded, engine_of, concurrency=concurrency, tokens=tokens,
+                                      **speculative)  # fmt: skip
+    hf = hf_generate_rate(loaded, prompt, tokens)
+    print(f"  HF generate, 1 stream:              {hf:8.1f} tok/s   (1.00x)")
     engine = engine_of(endless)
     engine_run(engine, prompt, 1, 8)  # warm up
     rows = []

@@ -69,7 +69,7 @@ from core.protocol import (
 from core.router import Router
 from core.worker import Worker, WorkerConfig
 from sim.clock import Clock, Owner, Timers
-from sim.decoders import Decoders
+from sim.decoders import Decoders, Speculation
 from sim.disturbances import Disturbances
 from sim.invariants import Invariants
 from sim.oracles import Oracles
@@ -125,6 +125,7 @@ class Cluster:
         kv_block_size: int = 4,
         largest_request: int | None = None,
         routers: int = 1,
+        speculation: Speculation | None = None,
     ) -> None:
         self.clock = clock or Clock()
         # Where each packet sent goes: held in `in_flight` until the driver delivers it,
@@ -164,6 +165,7 @@ class Cluster:
             max_context,
             kv_block_size,
             largest_request or max_context,
+            speculation,
         )
         self.invariants = Invariants(self)  # checked after every event (sim/invariants.py)
         self.router_names = [chr(ord("a") + i) for i in range(routers)]

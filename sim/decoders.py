@@ -11,6 +11,16 @@ and the decoder events go back to the worker machine through the cluster.
 A misbehaving step (one of MISBEHAVIOURS) is how the simulator's
 decoder_misbehaves fault goes wrong.
 
+Some seeds' decoders speculate (`speculation`: each guess right with the
+seed's acceptance, drawn from its own random stream), as the torch engine's
+speculative decoding does: a decoding sequence takes blocks for a few guessed
+positions (Scheduler.lookahead, never preempting), one pass writes them, the
+run of accepted guesses plus the model's own next token comes out as several
+tokens of one step, and the blocks of rejected positions go back
+(Scheduler.settle). The guesses never change a token: what comes out is the
+fake model's next tokens, as plain steps would give them, so the fenced
+protocol carries runs of consecutive indices from one step.
+
 The decoders run core's fake model (core/fake_model.py), which is deterministic
 and autoregressive like a real one, so every attempt of a greedy or seeded
 request, on any worker, produces the same output, and the client's stream
@@ -35,6 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, ItemsView
 from dataclasses import dataclass
+from random import Random
 
 from core.batching import BatchLimits, Running, StepPlan
 from core.blocks import blocks_for
@@ -57,6 +68,22 @@ from sim.streams import diverges
 # How a misbehaving decoder can go wrong in one step (sim/steps.py draws one):
 # say a token twice, skip an index, emit a token past the end, or end twice.
 MISBEHAVIOURS = ("repeat", "skip", "overrun", "end_twice")
+MOST_GUESSES = 4  # a speculating step guesses 1..this many tokens of a sequence
+
+
+@dataclass(slots=True)
+class Speculation:
+    """A seed's speculating decoders: each guess is right with `acceptance` (the run
+    stops at the first wrong one), drawn from `rng`; the counts are for the sweep."""
+
+    acceptance: float
+    rng: Random
+    verifications: int = 0  # a sequence's guesses checked in one step
+    proposed: int = 0
+    accepted: int = 0
+
+    def counts(self) -> tuple[int, int, int]:
+        return self.verifications, self.proposed, self.accepted
 
 
 @dataclass(slots=True)
@@ -82,8 +109,10 @@ class Decoders:
         max_context: int,
         kv_block_size: int,
         largest_request: int,
+        speculation: Speculation | None = None,
     ) -> None:
         self.clock = clock
+        self.speculation = speculation
         self._run_worker = run_worker  # a decoder event, handled by its worker machine
         self._violation = violation
         self.disturbances = disturbances
@@ -210,10 +239,12 @@ class Decoders:
     def run(
         self, worker_id: str, plan: StepPlan, misbehave: Callable[[], str | None] | None = None
     ) -> None:
-        """Carry out a planned step: prefill chunks land, each decoding entry emits a token.
-        Entries stopped while the step ran are skipped."""
+        """Carry out a planned step: prefill chunks land, each decoding entry emits a token
+        (a run of them where it speculates, within the step's token budget). Entries
+        stopped while the step ran are skipped."""
         decodes = self.decodes[worker_id]
         scheduler = self.schedulers[worker_id]
+        room = scheduler.limits.max_step_tokens - plan.tokens
         for key, tokens in plan.prefill:
             if self._keys[key] in decodes and scheduler.state(key) is SeqState.PREFILLING:
                 scheduler.prefilled(key, tokens)
@@ -222,10 +253,14 @@ class Decoders:
         for key in plan.decode:
             assignment = self._keys[key]
             if assignment in self.decodes[worker_id]:
-                self.step(worker_id, assignment, misbehave() if misbehave else None)
+                how = misbehave() if misbehave else None
+                room -= self.step(worker_id, assignment, how, max(room, 0))
 
-    def step(self, worker_id: str, assignment: Assignment, misbehave: str | None = None) -> None:
-        """The fake decoder takes one step of one running assignment (and may misbehave)."""
+    def step(
+        self, worker_id: str, assignment: Assignment, misbehave: str | None = None, room: int = 0
+    ) -> int:
+        """The fake decoder takes one step of one running assignment (and may misbehave;
+        with up to `room` guesses, a decoding one may speculate). -> guesses made."""
         decodes = self.decodes[worker_id]
         decode = decodes[assignment]
         scheduler = self.schedulers[worker_id]
@@ -234,6 +269,10 @@ class Decoders:
             self._check_decode(worker_id, decode)
         events: list[DecoderEvent] = []
         over = decode.run.step(events)
+        guesses = 0
+        if decoding and misbehave is None and not over:
+            guesses = self._speculate(worker_id, decode, events, room)
+            over = bool(events) and isinstance(events[-1], DecodeDone)
         if misbehave is not None:
             self.misbehaviours += 1
             _misbehave(events, misbehave, decode.request.max_new_tokens)
@@ -250,10 +289,46 @@ class Decoders:
                     f"{worker_id}: {assignment}'s scheduled tokens are not its output "
                     f"({len(tokens) - prompt} against {len(output)}): a token twice or lost"
                 )
+            if guesses:  # the pass wrote the accepted guesses' positions; the rest go back
+                self.kv[worker_id].wrote(decode.key, tokens[:-1])
+                scheduler.settle(decode.key)
         for event in events:
             if over and isinstance(event, DecodeDone):
                 self.drop(worker_id, assignment)
             self._run_worker(worker_id, event)
+        return guesses
+
+    def _speculate(
+        self, worker_id: str, decode: Decode, events: list[DecoderEvent], room: int
+    ) -> int:
+        """After a decoding step's own token: guesses for the positions after it, in
+        blocks the scheduler can spare, verified; the accepted ones and the model's
+        token after them join the step's events (the fake model's next tokens, as
+        plain steps make them). -> how many were guessed (0: it did not speculate)."""
+        speculation = self.speculation
+        if speculation is None or room <= 0:
+            return 0
+        rng = speculation.rng
+        generation = decode.run.generation
+        left = generation.max_new_tokens - generation.next_index  # after the step's token
+        wanted = min(rng.randint(1, MOST_GUESSES), room, left)
+        if wanted <= 0:
+            return 0
+        # The step's token is the draw at the sequence's last position; guess k is for
+        # the draw at the position after guess k-1, k positions past it.
+        guesses = self.schedulers[worker_id].lookahead(decode.key, wanted)
+        if guesses <= 0:
+            return 0
+        kept = 0
+        while kept < guesses and rng.random() < speculation.acceptance:
+            kept += 1
+        speculation.verifications += 1
+        speculation.proposed += guesses
+        speculation.accepted += kept
+        for _ in range(kept):  # each accepted guess: the model's draw after it comes out
+            if decode.run.step(events):
+                break
+        return guesses
 
     def running(self) -> list[tuple[str, Assignment]]:
         return [(w, a) for w, decodes in self.decodes.items() for a in decodes]

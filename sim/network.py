@@ -65,13 +65,36 @@ class Network:
         )
         self._completing: set[tuple[str, str]] = set()
         self._overtaken: dict[Assignment, Packet | None] = {}
+        # Per worker link: the latest Token sent (its assignment, index, when, delay).
+        self._last_token: dict[tuple[str, str], tuple[Assignment, int, float, float]] = {}
+
+    def _run_floor(self, packet: Packet) -> float:
+        """The least delay of a packet: 0, but a Token that continues a run of its
+        assignment sent at the same instant (a speculating decoder's step, written to
+        the link at once) lands, and so does a copy of it, no earlier than the token
+        before it, as one write does on a TCP connection. Loss and lateness still
+        strike each token of a run on its own."""
+        message = packet.message
+        last = self._last_token.get((packet.source, packet.router))
+        if not isinstance(message, Token) or last is None:
+            return 0.0
+        run = last[:3] == (message.assignment, message.index - 1, self.clock.now)
+        return last[3] if run else 0.0
+
+    def _note_token(self, packet: Packet, delay: float) -> None:
+        message = packet.message
+        if isinstance(message, Token):
+            link = (packet.source, packet.router)
+            self._last_token[link] = (message.assignment, message.index, self.clock.now, delay)
 
     def on_send(self, packet: Packet) -> None:
         if (self._finish_at or self._overtaken) and self._finish_lost(packet):
             return
         rng = self._rng
         swarm = self.swarm
-        delay = rng.uniform(swarm.delay_min_s, swarm.delay_max_s)
+        floor = self._run_floor(packet)
+        delay = max(rng.uniform(swarm.delay_min_s, swarm.delay_max_s), floor)
+        self._note_token(packet, delay)
         worker_id = _worker_of(packet)
         if delay > self._slow_packet_s:
             self.stage.disturb(worker_id, "slow_packet", delay)
@@ -93,7 +116,7 @@ class Network:
         self.clock.schedule(self.clock.now + delay, self._deliver, packet, self._sent(packet, copy))
         if rng.random() < swarm.duplicate_rate:
             self.stage.fault("duplicate", _brief(packet))
-            extra = rng.uniform(swarm.delay_min_s, swarm.delay_max_s * 2)
+            extra = max(rng.uniform(swarm.delay_min_s, swarm.delay_max_s * 2), floor)
             self.stage.disturb(worker_id, "duplicate", extra)
             flight = self._sent(packet, "duplicate")
             self.clock.schedule(self.clock.now + extra, self._deliver, packet, flight)

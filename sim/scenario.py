@@ -152,6 +152,10 @@ class Swarm:
     # until its Finished has overtaken it (the `finish_lost` fault; its times come from
     # their own random stream).
     finish_losses: int = 0
+    # Drawn after those: the fake decoders speculate, each guess right with this
+    # probability (0: they decode a token a step), so runs of several tokens come out
+    # of one step (sim/decoders.py; its draws have their own random stream).
+    speculation: float = 0.0
 
 
 def draw_swarm(rng: Random, scenario: Scenario) -> Swarm:
@@ -198,6 +202,7 @@ def draw_swarm(rng: Random, scenario: Scenario) -> Swarm:
         rolling_restart=rng.random() < 0.15,
         pool_share=_pool_shares(rng, n),
         finish_losses=rng.randint(1, 2) if rng.random() < 0.25 else 0,
+        speculation=rng.uniform(0.2, 0.95) if rng.random() < 0.4 else 0.0,
     )
 
 

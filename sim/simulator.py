@@ -49,6 +49,7 @@ from core.protocol import DeliverError, DeliverFinished, DeliverToken
 from sim.clients import Clients
 from sim.clock import Clock
 from sim.cluster import Cluster
+from sim.decoders import Speculation
 from sim.disturbances import Disturbances
 from sim.faults import Faults
 from sim.invariants import InvariantViolation
@@ -92,6 +93,8 @@ class SimResult:
     full_declines: int = 0  # attempts a worker declined for want of a slot
     handoffs: tuple[int, int] = (0, 0)  # streams handed off by draining workers; gone back
     preemptions: tuple[int, int] = (0, 0)  # sequences preempted by recompute; tokens redone
+    # the fake decoders' speculation: verifications, guesses, of them accepted
+    speculation: tuple[int, int, int] = (0, 0, 0)
     trace_hash: str | None = None
     trace_tail: list[str] = field(default_factory=list)
 
@@ -152,6 +155,9 @@ class Simulation:
         self.trace = Trace(trace_tail, echo) if trace else None
         self.stage = Stage(self.clock, self.disturbances, timeline, self.trace)
         self.events = 0
+        speculation = None
+        if self.swarm.speculation:  # its own stream: the other draws stay put
+            speculation = Speculation(self.swarm.speculation, Random(f"{seed}/speculation"))
         self.cluster = Cluster(
             [],
             self.scenario.router,
@@ -162,6 +168,7 @@ class Simulation:
             kv_block_size=KV_BLOCK,
             largest_request=LONGEST_PROMPT + self.scenario.mean_new_tokens * 3 // 2 + 1,
             routers=self.scenario.routers,
+            speculation=speculation,
         )
         stage, cluster, scenario, swarm = self.stage, self.cluster, self.scenario, self.swarm
         self.steps = DecoderSteps(stage, cluster, swarm, worker_ids, Random(f"{seed}/decoder"))
@@ -313,6 +320,7 @@ class Simulation:
             full_declines=cluster.full_declines(),
             handoffs=cluster.handoffs(),
             preemptions=(decoders.preemptions, decoders.recomputed_tokens),
+            speculation=decoders.speculation.counts() if decoders.speculation else (0, 0, 0),
             prefill_tokens=(decoders.prefill_tokens[0], decoders.prefill_tokens[1]),
             trace_hash=self.trace.digest() if self.trace is not None else None,
             trace_tail=list(self.trace.tail) if self.trace is not None else [],

@@ -37,6 +37,10 @@ class SweepSummary:
     preemptions: int = 0  # sequences the workers' schedulers preempted by recompute
     recomputed_tokens: int = 0  # output tokens those preemptions computed again
     preempting_runs: int = 0  # runs with at least one preemption
+    speculating_runs: int = 0  # runs whose decoders speculated
+    verifications: int = 0  # a sequence's guesses checked in one step, every run together
+    guessed: int = 0
+    guesses_accepted: int = 0
     attempts_lost: int = 0
     waste_s: float = 0.0
     errors: Counter[str] = field(default_factory=Counter)
@@ -65,6 +69,10 @@ class SweepSummary:
         self.preemptions += result.preemptions[0]
         self.recomputed_tokens += result.preemptions[1]
         self.preempting_runs += result.preemptions[0] > 0
+        self.speculating_runs += result.speculation[0] > 0
+        self.verifications += result.speculation[0]
+        self.guessed += result.speculation[1]
+        self.guesses_accepted += result.speculation[2]
         self.attempts_lost += result.attempts_lost
         self.waste_s += result.waste_s
         self.errors.update(result.errors)

@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adapters.cli import (
+    WEIGHT_CHOICES,
     add_decode_arguments,
     add_kv_cache_arguments,
     add_model_argument,
+    add_speculative_arguments,
     add_threads_argument,
     add_weights_argument,
     natural,
@@ -304,6 +306,19 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
         "--json-schema", default=None, metavar="FILE",
         help="with --constrained: the JSON Schema to constrain to (default: a typical one)",
     )  # fmt: skip
+    add_speculative_arguments(parser)
+    parser.add_argument(
+        "--draft-weights", choices=WEIGHT_CHOICES, default="auto",
+        help="with --speculative draft: the draft model's weight format",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=positive, default=2,
+        help="with --speculative: rounds a side, alternating (the best of each is shown)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--position", type=positive, default=512, metavar="TOKENS",
+        help="with --speculative: the context length the verification cost is timed at",
+    )  # fmt: skip
 
 
 def _engine(args: argparse.Namespace) -> int:
@@ -314,6 +329,21 @@ def _engine(args: argparse.Namespace) -> int:
         schema = json.loads(Path(args.json_schema).read_text())
     elif args.constrained:
         schema = engine.TYPICAL_SCHEMA
+    kind = args.speculative
+    if kind == "auto":
+        kind = "draft" if args.draft_model else "none"
+    if args.draft_model and kind != "draft":
+        raise SystemExit("--draft-model is for --speculative draft")
+    speculative = None
+    if kind != "none":  # the side-by-side comparison, in place of the usual rows
+        speculative = {
+            "kind": kind,
+            "speculative_tokens": args.speculative_tokens,
+            "draft_model": args.draft_model,
+            "draft_weights": args.draft_weights,
+            "rounds": args.rounds,
+            "position": args.position,
+        }
     return engine.main(
         model_path=args.model,
         tokens=args.tokens,
@@ -329,6 +359,7 @@ def _engine(args: argparse.Namespace) -> int:
         schema=schema,
         decode=args.decode,
         attention=args.decode_attention,
+        speculative=speculative,
     )
 
 

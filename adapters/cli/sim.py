@@ -152,6 +152,12 @@ def _print_result_line(result: SimResult) -> None:
         f"handed off by draining workers: {result.handoffs[0]} ({result.handoffs[1]} back); "
         f"preempted: {result.preemptions[0]} ({result.preemptions[1]} tokens recomputed)"
     )
+    checks, guessed, accepted = result.speculation
+    if checks:
+        print(
+            f"  decoders speculated: {checks} verifications, {accepted} of {guessed} "
+            f"guesses accepted"
+        )
     if result.routers > 1:
         print(
             f"  {result.routers} routers share the workers; offers declined for want of "
@@ -194,6 +200,11 @@ def _print_summary(summary: SweepSummary, elapsed_s: float) -> None:
         f"preempted by recompute: {summary.preemptions} sequences in "
         f"{summary.preempting_runs} runs ({summary.preempting_runs / max(1, summary.runs):.0%}), "
         f"{summary.recomputed_tokens} output tokens computed again"
+    )
+    print(
+        f"speculating decoders: {summary.speculating_runs} runs, {summary.verifications} "
+        f"verifications, {summary.guesses_accepted} of {summary.guessed} guesses accepted "
+        f"(each a token that came out in a run from one step)"
     )
     never = summary.coverage.never_taken()
     print(f"machine moves taken: {summary.coverage.summary()}")

@@ -87,18 +87,21 @@ def speculation(
 ) -> tuple[SpeculativeOptions | None, tuple[LoadedModel, str] | None]:
     """The speculative decoding `options` ask for on a model loaded in `fmt`, and the
     draft model (loaded, and its format) when it drafts. "auto" is the draft when one is
-    given, else none: n-gram lookup measured 1.8-2.2x on an editing task at one stream
-    on the native formats, but the chat side (no slower at 1 and 16 streams) is not
-    measured yet, so it is asked for by name (engine.md, "Speculative decoding")."""
+    given; else n-gram lookup on the native formats, where it measured 2.1-2.4x on an
+    editing task and no slower on chat (engine.md, "Speculative decoding"), and where
+    a prefilled position equals a decoded one bit for bit; else none (torch's formats,
+    the GPU's among them, are not measured yet)."""
     kind = options.speculative
     if kind not in SPECULATIVE_KINDS:
         raise ValueError(
             f"unknown speculative kind {kind!r}; one of {', '.join(SPECULATIVE_KINDS)}"
         )
     if kind == "auto":
-        kind = "draft" if options.draft_model else "none"
+        kind = "draft" if options.draft_model else "ngram" if fmt in NATIVE else "none"
         if kind == "none":
-            say(f"speculative decoding: off (auto; --speculative ngram turns it on, {fmt})")
+            say(f"speculative decoding: off (auto on {fmt}; --speculative ngram turns it on)")
+        elif kind == "ngram":
+            say(f"speculative decoding: n-gram (auto on {fmt}; --speculative none turns it off)")
     if kind == "none":
         if options.draft_model:
             raise ValueError("--draft-model needs --speculative draft (or auto)")

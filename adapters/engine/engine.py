@@ -57,7 +57,9 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,9 +79,12 @@ from adapters.engine.speculative import (
     DraftProposer,
     NgramProposer,
     Pacer,
+    PassCosts,
     SpecStats,
     SpeculativeOptions,
     advanced,
+    pass_costs,
+    worth_verifying,
 )
 from adapters.engine.static_decode import StaticDecode
 from adapters.engine.weights import NATIVE
@@ -233,8 +238,14 @@ class Engine:
         self.speculative = speculative
         self.spec_stats = SpecStats()
         self._proposer = self._make_proposer(speculative, draft)
+        self._pass_costs: PassCosts | None = None
         if speculative is not None:
             say(speculative.describe())
+            costs = speculative.costs or pass_costs(self.runner, speculative.step_budget)
+            how = "as given" if speculative.costs else "measured at start"
+            say(f"speculative decoding: {costs.describe()} ({how}); guesses are verified "
+                "where they pay for their positions")  # fmt: skip
+            self._pass_costs = costs
 
     def _make_proposer(
         self, options: SpeculativeOptions | None, draft: tuple[LoadedModel, str] | None
@@ -459,14 +470,25 @@ class Engine:
         guesses = proposer.propose(wanted)
         vocab = self.runner.vocab_size
         for row, seq in enumerate(seqs):
-            guess = guesses[row][: max(budget, 0)]
+            guess = guesses[row][:budget]
             # the run stops short of a token out of the vocabulary or one that would end it
             # (an end the model reaches draws that token itself, as the run's last)
             stops = seq.generation.stop_ids
             cut = next((i for i, t in enumerate(guess) if t >= vocab or t in stops), len(guess))
-            guess = guess[:cut]
+            guesses[row] = guess = guess[:cut]
             if guess and seq.matcher is not None:
-                guess = guess[: seq.matcher.validate_tokens(guess)]
+                guesses[row] = guess[: seq.matcher.validate_tokens(guess)]
+        # as many as pay for the positions they add, by the pass costs measured at start
+        assert self._pass_costs is not None
+        context = sum(seq.position for seq in seqs) // len(seqs)
+        counts = worth_verifying(
+            self._pass_costs.at(context), len(seqs), [len(g) for g in guesses],
+            [seq.pacer.acceptance if seq.pacer else 0.0 for seq in seqs],
+        )  # fmt: skip
+        for row, seq in enumerate(seqs):
+            guess = guesses[row][: min(counts[row], budget)]
+            if guesses[row] and not guess and seq.pacer is not None:
+                seq.pacer.idle()  # it had guesses, not worth verifying now
             if guess:
                 guess = guess[: self.scheduler.lookahead(seq.key, len(guess))]
             budget -= len(guess)
@@ -494,12 +516,13 @@ class Engine:
             tops += [seq.request.logprobs] * len(run)
         masks = self._run_masks(seqs, guesses, starts)
         logits = self.runner.prefill_packed(chunks, range(len(draws)))
-        if masks is not None:
-            logits = self.grammars().apply(logits, *masks)
-        picks = sample_rows(logits, draws)
-        if self.runner.check_indices:
-            check_picks(picks, self.runner.vocab_size)
-        records = logprob_records(logits, picks, draws, tops)
+        with self._lone_torch():
+            if masks is not None:
+                logits = self.grammars().apply(logits, *masks)
+            picks = sample_rows(logits, draws)
+            if self.runner.check_indices:
+                check_picks(picks, self.runner.vocab_size)
+            records = logprob_records(logits, picks, draws, tops)
         stats = self.spec_stats
         stats.steps += 1
         for seq, guess, start in zip(seqs, guesses, starts, strict=True):
@@ -586,6 +609,23 @@ class Engine:
         matchers = [matcher for _, matcher in held]
         return [row for row, _ in held], self.grammars().penalties(matchers, self.runner.vocab_size)
 
+    @contextmanager
+    def _lone_torch(self) -> Iterator[None]:
+        """torch on one thread for the work between native passes (sampling, logprobs,
+        grammar masks on a step's logits): on more, torch's OpenMP threads spin on for a
+        while after each parallel op, on the cores the native pass's threads need next
+        (a 5-row verification measured 19 ms after a parallel sampling, 8 ms after a
+        single-threaded one, on 2 cores)."""
+        threads = torch.get_num_threads()
+        if not self.runner.native or threads == 1:
+            yield
+            return
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+
     def _choose(
         self,
         seqs: list[_Sequence],
@@ -596,13 +636,15 @@ class Engine:
         """Each row's next token (and logprob record) from its logits [rows, vocab],
         masked first where a grammar holds the row: masked logits are both the
         distribution drawn from and the one reported."""
-        if masks is not None:
-            logits = self.grammars().apply(logits, *masks)
-        draws = [seq.draw() for seq in seqs]
-        picks = sample_rows(logits, draws)
-        if self.runner.check_indices:
-            check_picks(picks, self.runner.vocab_size)
-        records = logprob_records(logits, picks, draws, [seq.request.logprobs for seq in seqs])
+        with self._lone_torch():
+            if masks is not None:
+                logits = self.grammars().apply(logits, *masks)
+            draws = [seq.draw() for seq in seqs]
+            picks = sample_rows(logits, draws)
+            if self.runner.check_indices:
+                check_picks(picks, self.runner.vocab_size)
+            tops = [seq.request.logprobs for seq in seqs]
+            records = logprob_records(logits, picks, draws, tops)
         for seq, token, record in zip(seqs, picks, records, strict=True):
             self._emit(seq, token, events, record)
 

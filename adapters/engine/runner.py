@@ -264,6 +264,11 @@ class Runner:
         """The Pages of rows with these block tables, each read up to `length` positions."""
         return pages_of(tables, length, self.block_size, self.device)
 
+    @property
+    def native(self) -> bool:
+        """The fused native pass computes this runner's steps (its own threads)."""
+        return self._native is not None
+
     @torch.inference_mode()
     def decode(self, pages: Pages, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """One token for each row (its table in `pages`, position, token) -> logits

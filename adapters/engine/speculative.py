@@ -38,6 +38,8 @@ compute bound, steps aside.
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -62,6 +64,9 @@ class SpeculativeOptions:
     step_budget: int = 12
     min_ngram: int = 2
     max_ngram: int = 4
+    # what verifying costs (PassCosts, r up to step_budget); None: measured when the
+    # engine starts (pass_costs)
+    costs: PassCosts | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("ngram", "draft"):
@@ -72,6 +77,11 @@ class SpeculativeOptions:
             raise ValueError(f"speculative step budget {self.step_budget}: at least 2")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"n-gram lengths {self.min_ngram}..{self.max_ngram}")
+        costs = self.costs
+        if costs is not None and not all(
+            len(c) == self.step_budget + 1 and min(c[1:]) > 0 for c in (costs.near, costs.far)
+        ):
+            raise ValueError(f"pass costs: {self.step_budget} positive figures after a 0")
 
     def describe(self) -> str:
         looked = f"n-grams of {self.max_ngram} down to {self.min_ngram} tokens"
@@ -95,21 +105,146 @@ class SpecStats:
 
 class Pacer:
     """How many tokens one sequence proposes next: doubles (up to the most) while every
-    guess is accepted, and drops to one more than the run just accepted otherwise."""
+    guess is accepted, and drops to one more than the run just accepted otherwise.
 
-    __slots__ = ("length", "most")
+    It also estimates the chance that the sequence's next guess is accepted: guesses
+    kept against runs cut short by a wrong one (each verification ends in at most one),
+    both counts decaying by DECAY a verification, from a prior of one of each. A
+    sequence whose guesses were not worth verifying drifts back to the prior by
+    RECOVERY a step (`idle`), so one bad stretch does not end its speculation for
+    good: it is tried again."""
+
+    __slots__ = ("kept", "length", "missed", "most")
+
+    DECAY = 0.8
+    RECOVERY = 0.05
 
     def __init__(self, most: int) -> None:
         self.most = most
         self.length = max(1, most // 2)
+        self.kept = 1.0
+        self.missed = 1.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.kept / (self.kept + self.missed)
+
+    def idle(self) -> None:
+        self.kept += self.RECOVERY * (1.0 - self.kept)
+        self.missed += self.RECOVERY * (1.0 - self.missed)
 
     def update(self, proposed: int, accepted: int) -> None:
         if proposed == 0:
             return
+        self.kept = self.DECAY * self.kept + accepted
+        self.missed = self.DECAY * self.missed + (accepted < proposed)
         if accepted >= proposed:
             self.length = min(self.most, self.length * 2)
         else:
             self.length = min(self.most, accepted + 1)
+
+
+COST_POSITIONS = (32, 1024)  # the contexts the pass costs are measured at (or less)
+COST_REPEATS = 3
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """The seconds of one packed pass over r positions of one sequence, r = 0..most
+    (near[0] = far[0] = 0), with its context at `positions[0]` (near) and at
+    `positions[1]` (far): each row attends over its whole context, so a longer
+    context makes every extra position dearer."""
+
+    positions: tuple[int, int]
+    near: tuple[float, ...]
+    far: tuple[float, ...]
+
+    def at(self, position: int) -> list[float]:
+        """The costs at a context of `position`, by the straight line through the two
+        measured (held at the near one below it, extended past the far one)."""
+        low, high = self.positions
+        share = max(position - low, 0) / max(high - low, 1)
+        return [n + (f - n) * share for n, f in zip(self.near, self.far, strict=True)]
+
+    def describe(self) -> str:
+        near, far = self.near, self.far
+        return (
+            f"a pass over 1..{len(near) - 1} positions costs "
+            + " ".join(f"{c / near[1]:.2f}" for c in near[1:])
+            + f" decode steps at a context of {self.positions[0]}, "
+            + " ".join(f"{c / far[1]:.2f}" for c in far[1:])
+            + f" at {self.positions[1]}"
+        )
+
+
+def pass_costs(runner: Runner, most: int) -> PassCosts:
+    """PassCosts measured on the runner's idle pool, before any sequence holds a block
+    (the blocks' contents are overwritten by the sequences that come): at each of
+    COST_POSITIONS (as far as the context allows) the median of COST_REPEATS passes
+    after a warm-up for each count, made non-decreasing (a longer pass never costs
+    less)."""
+    room = max(runner.max_context - most - 1, 0)
+    near, far = (min(p, room) for p in COST_POSITIONS)
+    table = list(range(-(-(far + most) // runner.block_size)))
+    if len(table) > runner.num_blocks:
+        raise ValueError("the KV pool is too small to measure speculative passes")
+    device = runner.device
+    tokens = torch.arange(far + most, device=device) % runner.vocab_size
+
+    def curve(position: int) -> tuple[float, ...]:
+        if position:
+            runner.prefill_packed([Chunk(table, 0, tokens[:position])], [])
+        costs = [0.0]
+        for count in range(1, most + 1):
+            chunk = Chunk(table, position, tokens[position : position + count])
+            took = []
+            for _ in range(COST_REPEATS + 1):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                began = time.perf_counter()
+                runner.prefill_packed([chunk], range(count))
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                took.append(time.perf_counter() - began)
+            costs.append(max(statistics.median(took[1:]), costs[-1]))
+        return tuple(costs)
+
+    return PassCosts((near, far), curve(near), curve(far))
+
+
+MARGIN = 0.1  # what verifying guesses must gain over plain decoding, expected
+
+
+def worth_verifying(
+    costs: Sequence[float], rows: int, guesses: Sequence[int], acceptances: Sequence[float]
+) -> list[int]:
+    """How many of its guesses each decoding sequence should have verified this step, to
+    make the most tokens per second: `costs[r]` is the time of a pass over r positions
+    (costs[0] unused; as many entries as a step may verify), `rows` the decoding
+    sequences, `guesses[i]` how many sequence i has, `acceptances[i]` the chance each of
+    its guesses is accepted. Guess j of a sequence (from 1) adds acceptance**j tokens
+    on average, for one more position: guesses are taken best first, and the step
+    keeps the count that gives the most expected tokens over the pass's cost. None
+    unless that beats plain decoding by MARGIN: the costs are measured on a machine
+    others share, and a gain smaller than their noise is no gain."""
+    gains = sorted(
+        ((a**j, i) for i, (g, a) in enumerate(zip(guesses, acceptances, strict=True))
+         for j in range(1, g + 1)),
+        reverse=True,
+    )  # fmt: skip
+    most = min(len(gains), len(costs) - 1 - rows)
+    best, best_rate, expected = 0, rows / costs[rows], float(rows)
+    for taken in range(1, most + 1):
+        expected += gains[taken - 1][0]
+        rate = expected / costs[rows + taken]
+        if rate > best_rate:
+            best, best_rate = taken, rate
+    if best_rate < (1 + MARGIN) * rows / costs[rows]:
+        best = 0
+    counts = [0] * len(guesses)
+    for _, i in gains[:best]:  # a sequence's guesses come in order of j: a prefix each
+        counts[i] += 1
+    return counts
 
 
 class NgramIndex:

@@ -13,17 +13,27 @@ KV block is back in the pool at the end.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from adapters.engine.build import speculation
 from adapters.engine.choose import working_formats
 from adapters.engine.engine import Engine, draft_problem
 from adapters.engine.grammar import json_schema_grammar
 from adapters.engine.model import LoadedModel, chat_token_ids, load_model
-from adapters.engine.speculative import NgramIndex, Pacer, SpeculativeOptions
+from adapters.engine.options import EngineOptions
+from adapters.engine.speculative import (
+    NgramIndex,
+    Pacer,
+    PassCosts,
+    SpeculativeOptions,
+    pass_costs,
+    worth_verifying,
+)
 from core.batching import BatchLimits
 from core.protocol import (
     Assignment,
@@ -46,8 +56,11 @@ PARAGRAPH = (
 )
 EDIT = f"Repeat this paragraph exactly, word for word:\n\n{PARAGRAPH}"
 LIMITS = BatchLimits(max_seqs=8, max_context=1024, max_step_tokens=96, max_prefill_tokens=64)
-NGRAM = SpeculativeOptions("ngram", 6)
-DRAFT = SpeculativeOptions("draft", 4)
+# Every guess pays (a pass costs the same over any count): these engines verify all they
+# can, whatever this machine measures, so the equalities below are of the most speculation.
+FLAT = PassCosts((0, 1024), (0.0, *[1.0] * 12), (0.0, *[1.0] * 12))
+NGRAM = SpeculativeOptions("ngram", 6, costs=FLAT)
+DRAFT = SpeculativeOptions("draft", 4, costs=FLAT)
 
 Output = dict[str, tuple[list[int], list[TokenLogprob | None], str | None]]
 
@@ -107,8 +120,27 @@ def test_guesses_come_from_earlier_occurrences_and_the_pacer_follows_acceptance(
     assert pacer.length == 3
     pacer.update(3, 0)
     assert pacer.length == 1
+    kept, missed = 0.8**3 + 4 * 0.8**2 + 2 * 0.8, 0.8**3 + 0.8 + 1
+    assert pacer.acceptance == pytest.approx(kept / (kept + missed))
+    for _ in range(200):  # its guesses were not worth verifying for a while
+        pacer.idle()
+    assert pacer.acceptance == pytest.approx(0.5, abs=1e-3)  # back to the prior: tried again
     with pytest.raises(ValueError, match="ngram or draft"):
         SpeculativeOptions("medusa")
+
+
+def test_guesses_are_verified_only_where_they_pay_for_their_positions() -> None:
+    # a CPU's curve: a second position is nearly free, the sixth doubles the pass
+    cpu = [0.0, 1.0, 1.05, 1.3, 1.4, 1.5, 2.6, 2.7, 2.8, 2.9]
+    assert worth_verifying(cpu, 1, [8], [0.9]) == [4]  # 1 + .9 + .81 + .73 + .66 over 1.5
+    assert worth_verifying(cpu, 1, [8], [0.2]) == [1]  # only the nearly free one
+    assert worth_verifying(cpu, 1, [2], [0.9]) == [2]  # it has no more
+    assert worth_verifying(cpu, 2, [3, 3], [0.9, 0.1]) == [3, 0]  # the likely ones first
+    assert worth_verifying([0.0, 1.0, 2.0, 3.0], 1, [3], [0.99]) == [0]  # none pays
+    assert worth_verifying(cpu, 9, [3], [1.0]) == [0]  # no room left in the step
+    costs = PassCosts((100, 1100), (0.0, 1.0, 1.2), (0.0, 2.0, 3.2))
+    assert costs.at(0) == [0.0, 1.0, 1.2] and costs.at(600) == [0.0, 1.5, 2.2]
+    assert costs.at(2100) == [0.0, 3.0, 5.2]
 
 
 @pytest.mark.parametrize("kind", ["ngram", "draft"])
@@ -177,6 +209,23 @@ def test_a_json_schema_answer_is_the_same_with_speculation(default: LoadedModel)
     assert 4 <= len(answer["items"]) <= 5
 
 
+def test_auto_speculates_by_ngram_where_it_measured_faster_and_exact(
+    default: LoadedModel,
+) -> None:
+    def chosen(fmt: str, **asked: str) -> str:
+        options, draft = speculation(default, EngineOptions(**asked), fmt)  # type: ignore[arg-type]
+        assert (draft is None) == (options is None or options.kind != "draft")
+        return "none" if options is None else options.kind
+
+    assert chosen("w4a8") == chosen("w4a16") == "ngram"  # the native formats
+    assert chosen("fp32") == chosen("bf16") == "none"  # torch's: prefill and decode round
+    assert chosen("fp32", speculative="ngram") == "ngram"  # asked for by name
+    assert chosen("w4a8", speculative="none") == "none"
+    assert chosen("w4a8", draft_model=default.source) == "draft"
+    with pytest.raises(ValueError, match="is for --speculative draft"):
+        chosen("w4a8", speculative="ngram", draft_model=default.source)
+
+
 def test_a_draft_needs_the_same_tokenizer(default: LoadedModel, tmp_path: Path) -> None:
     assert draft_problem(default, default) is None
     with pytest.raises(ValueError, match="needs --draft-model"):
@@ -206,7 +255,15 @@ def test_tiny_families_give_the_same_tokens_with_speculation(case: str, folder: 
         GenerationRequest("s", prompt, 48, Sampling(0.02, 0.9, 7)),
     ]
     plain = run(Engine(loaded, LIMITS), requests)
-    for options, draft in ((NGRAM, None), (DRAFT, (loaded, "fp32")), (DRAFT, (drafter, "fp32"))):
+    measured = SpeculativeOptions("ngram", 6)  # its costs measured as the engine starts
+    for options, draft in (
+        (NGRAM, None), (measured, None), (DRAFT, (loaded, "fp32")), (DRAFT, (drafter, "fp32"))
+    ):  # fmt: skip
         engine = Engine(loaded, LIMITS, speculative=options, draft=draft)
         assert run(engine, requests) == plain, (options.kind, draft and draft[0].family)
-        assert engine.spec_stats.proposed > 0
+        if options.costs is not None:
+            assert engine.spec_stats.proposed > 0
+    costs = pass_costs(Engine(loaded, LIMITS).runner, 12)
+    for curve in (costs.near, costs.far):
+        assert curve[0] == 0 and curve[1] > 0 and all(a <= b for a, b in itertools.pairwise(curve))
+    assert costs.positions == (32, min(1024, LIMITS.max_context - 13))
