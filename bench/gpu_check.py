@@ -26,7 +26,10 @@ Then for every shape: tokens/s of the Engine at 1, 16, 64 and 256 streams
 (40-token prompt, 128 new tokens, EOS ignored, prefix cache off so no stream
 reuses another's prompt); the first-token times of 64 requests arriving at
 once on the 1B shape; one stream through the eager decode step, for what the
-graphs gain. Beside them HF's anchors, each in a process of its own
+graphs gain; and what verifying k speculative guesses costs (one pass over a
+sequence's last token and k guesses at position 512, k = 0..16, with the
+speed-up implied at 50/70/90% acceptance; `--skip verify` leaves it out).
+Beside them HF's anchors, each in a process of its own
 (bench/gpu_anchors.py), never in the engine's (in one device run in nine the
 engine failed with a CUDA "unspecified launch failure" at 256 streams in a
 process where HF's compiled static-cache generate had run before): HF
@@ -145,6 +148,7 @@ import torch
 from adapters.engine.engine import DECODE_PATHS, Engine
 from adapters.engine.model import LoadedModel
 from adapters.engine.paged_attention import ATTENTIONS
+from bench import speculative as speculative_bench
 from bench.gpu_shapes import PROMPT_TOKENS, prompts
 from bench.gpu_shapes import SHAPES as SHAPES  # bench/kernel_build.py takes these three from here
 from bench.gpu_shapes import Shape as Shape
@@ -159,11 +163,12 @@ CHECK_PROMPTS = 4
 BATCH_OF = 16
 TEMPERATURE = 0.8
 BURST = 64  # requests arriving at once for the first-token figure
+VERIFY_POSITION = 512  # the context speculative verification is timed at
 # Of the budget, the correctness checks take at most this; the shapes share the rest.
 CHECKS_SHARE_S = 90.0
 STEP_LIMIT = 100_000  # no engine loop runs longer than this many steps, whatever else
 # What --skip can leave out; "speed" is every shape's speed part, the engine's and HF's.
-PARTS = ("checks", "speed", "compile", "eager", "generate_batch", "burst")
+PARTS = ("checks", "speed", "compile", "eager", "generate_batch", "burst", "verify")
 DEFAULT_SHAPES = ("135m", "1b", "8b", "qwen3-8b", "gemma3-4b")
 # The mixture joins the default list on a device of at least this much memory: 61 GB of
 # bf16 weights, built by this process for its engine and again by each HF anchor's.
@@ -739,6 +744,26 @@ class ShapeRun:
         self.table[label] = f"{rate:,.1f}{cut} (step {step * 1e3:.1f} ms)"
         return rate
 
+    def verification(self) -> None:
+        """What speculative decoding's verification costs on this shape: one packed pass
+        over a sequence's last token and k guesses at position 512, k = 0..16, and the
+        speed-up it implies at 50/70/90% acceptance (bench/speculative.py). Last of the
+        engine's parts: it writes its own keys and values over the idle pool."""
+        if not self.budget.allows(5, "the verification cost curve"):
+            return
+        runner = self.engine.runner
+        held = min(runner.max_context, runner.num_blocks * runner.block_size)
+        position = min(VERIFY_POSITION, held - max(speculative_bench.COST_TOKENS) - 1)
+        position -= position % runner.block_size  # a whole block short of the pool's end
+        if position < runner.block_size:
+            print(f"  skipped: this engine holds {held} positions")
+            return
+        curve = speculative_bench.cost_curve(self.engine, position)
+        speculative_bench.print_cost_curve(curve, position)
+        for guesses, seconds in curve:
+            if guesses in (0, 4, 8):
+                self.table[f"verify {guesses} guesses (ms)"] = f"{seconds * 1e3:.2f}"
+
     def burst(self) -> None:
         if not self.budget.allows(5, "the first-token burst"):
             return
@@ -848,6 +873,8 @@ def speed(
             ]
             if 1 in streams:
                 parts += [("fencepost, eager decode, 1 stream", run.fencepost_eager)]
+            if "verify" not in skip:
+                parts += [("speculative verification cost", run.verification)]
         for label, part in parts:
             with section(f"speed, {name} shape: {label}", failures):
                 part()

@@ -241,7 +241,8 @@ class Engine:
         self._pass_costs: PassCosts | None = None
         if speculative is not None:
             say(speculative.describe())
-            costs = speculative.costs or pass_costs(self.runner, speculative.step_budget)
+            drafting = self._proposer.runner if isinstance(self._proposer, DraftProposer) else None
+            costs = speculative.costs or pass_costs(self.runner, speculative.step_budget, drafting)
             how = "as given" if speculative.costs else "measured at start"
             say(f"speculative decoding: {costs.describe()} ({how}); guesses are verified "
                 "where they pay for their positions")  # fmt: skip
@@ -452,21 +453,33 @@ class Engine:
         budget = min(options.step_budget - len(seqs), room)
         if budget <= 0:
             return None
-        wanted = []
-        asked = budget  # a draft makes what it is asked for: ask within the budget
+        counts = []
         for seq in seqs:
             if seq.pacer is None:
                 seq.pacer = Pacer(options.max_tokens)
             generation = seq.generation
-            count = min(
+            counts.append(max(0, min(
                 seq.pacer.length,
                 generation.max_new_tokens - generation.next_index - 1,
                 self.limits.max_context - 1 - seq.position,
-            )
-            if isinstance(proposer, DraftProposer):
-                count = min(count, asked)
-                asked -= max(count, 0)
-            wanted.append((seq.key, self.scheduler.tokens(seq.key), count, seq.draw()))
+            )))  # fmt: skip
+        # guesses are verified as far as they pay, by the pass costs measured at start
+        assert self._pass_costs is not None
+        context = sum(seq.position for seq in seqs) // len(seqs)
+        costs = self._pass_costs.at(context)
+        acceptances = [seq.pacer.acceptance if seq.pacer else 0.0 for seq in seqs]
+        drafting = isinstance(proposer, DraftProposer)
+        if drafting:  # a draft's guesses cost its steps: decide how many before it makes them
+            counts = worth_verifying(costs, len(seqs), counts, acceptances, self._pass_costs.draft)
+            if not any(counts):
+                for seq in seqs:
+                    if seq.pacer is not None:
+                        seq.pacer.idle()
+                return None
+        wanted = [
+            (seq.key, self.scheduler.tokens(seq.key), count, seq.draw())
+            for seq, count in zip(seqs, counts, strict=True)
+        ]
         guesses = proposer.propose(wanted)
         vocab = self.runner.vocab_size
         for row, seq in enumerate(seqs):
@@ -478,13 +491,8 @@ class Engine:
             guesses[row] = guess = guess[:cut]
             if guess and seq.matcher is not None:
                 guesses[row] = guess[: seq.matcher.validate_tokens(guess)]
-        # as many as pay for the positions they add, by the pass costs measured at start
-        assert self._pass_costs is not None
-        context = sum(seq.position for seq in seqs) // len(seqs)
-        counts = worth_verifying(
-            self._pass_costs.at(context), len(seqs), [len(g) for g in guesses],
-            [seq.pacer.acceptance if seq.pacer else 0.0 for seq in seqs],
-        )  # fmt: skip
+        if not drafting:  # the lookup's guesses came free: now keep those that pay
+            counts = worth_verifying(costs, len(seqs), [len(g) for g in guesses], acceptances)
         for row, seq in enumerate(seqs):
             guess = guesses[row][: min(counts[row], budget)]
             if guesses[row] and not guess and seq.pacer is not None:

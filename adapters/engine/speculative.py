@@ -38,6 +38,7 @@ compute bound, steps aside.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -153,11 +154,14 @@ class PassCosts:
     """The seconds of one packed pass over r positions of one sequence, r = 0..most
     (near[0] = far[0] = 0), with its context at `positions[0]` (near) and at
     `positions[1]` (far): each row attends over its whole context, so a longer
-    context makes every extra position dearer."""
+    context makes every extra position dearer. `draft`: what a draft model's
+    one-row step costs, in the same unit (0 for n-gram lookup): each guess a draft
+    makes costs one."""
 
     positions: tuple[int, int]
     near: tuple[float, ...]
     far: tuple[float, ...]
+    draft: float = 0.0
 
     def at(self, position: int) -> list[float]:
         """The costs at a context of `position`, by the straight line through the two
@@ -174,15 +178,19 @@ class PassCosts:
             + f" decode steps at a context of {self.positions[0]}, "
             + " ".join(f"{c / far[1]:.2f}" for c in far[1:])
             + f" at {self.positions[1]}"
+            + (f"; a draft's guess {self.draft / near[1]:.2f}" if self.draft else "")
         )
 
 
-def pass_costs(runner: Runner, most: int) -> PassCosts:
+def pass_costs(runner: Runner, most: int, drafting: Runner | None = None) -> PassCosts:
     """PassCosts measured on the runner's idle pool, before any sequence holds a block
     (the blocks' contents are overwritten by the sequences that come): at each of
     COST_POSITIONS (as far as the context allows) the median of COST_REPEATS passes
     after a warm-up for each count, made non-decreasing (a longer pass never costs
-    less)."""
+    less); and a draft's one-row step the same way on its own idle pool."""
+    if drafting is not None:
+        draft = pass_costs(drafting, 1).near[1]
+        return dataclasses.replace(pass_costs(runner, most), draft=draft)
     room = max(runner.max_context - most - 1, 0)
     near, far = (min(p, room) for p in COST_POSITIONS)
     table = list(range(-(-(far + most) // runner.block_size)))
@@ -216,7 +224,11 @@ MARGIN = 0.1  # what verifying guesses must gain over plain decoding, expected
 
 
 def worth_verifying(
-    costs: Sequence[float], rows: int, guesses: Sequence[int], acceptances: Sequence[float]
+    costs: Sequence[float],
+    rows: int,
+    guesses: Sequence[int],
+    acceptances: Sequence[float],
+    per_guess: float = 0.0,
 ) -> list[int]:
     """How many of its guesses each decoding sequence should have verified this step, to
     make the most tokens per second: `costs[r]` is the time of a pass over r positions
@@ -224,9 +236,10 @@ def worth_verifying(
     sequences, `guesses[i]` how many sequence i has, `acceptances[i]` the chance each of
     its guesses is accepted. Guess j of a sequence (from 1) adds acceptance**j tokens
     on average, for one more position: guesses are taken best first, and the step
-    keeps the count that gives the most expected tokens over the pass's cost. None
-    unless that beats plain decoding by MARGIN: the costs are measured on a machine
-    others share, and a gain smaller than their noise is no gain."""
+    keeps the count that gives the most expected tokens over the pass's cost (and
+    `per_guess` for each guess: a draft's step). None unless that beats plain
+    decoding by MARGIN: the costs are measured on a machine others share, and a gain
+    smaller than their noise is no gain."""
     gains = sorted(
         ((a**j, i) for i, (g, a) in enumerate(zip(guesses, acceptances, strict=True))
          for j in range(1, g + 1)),
@@ -236,7 +249,7 @@ def worth_verifying(
     best, best_rate, expected = 0, rows / costs[rows], float(rows)
     for taken in range(1, most + 1):
         expected += gains[taken - 1][0]
-        rate = expected / costs[rows + taken]
+        rate = expected / (costs[rows + taken] + per_guess * taken)
         if rate > best_rate:
             best, best_rate = taken, rate
     if best_rate < (1 + MARGIN) * rows / costs[rows]:
