@@ -25,7 +25,6 @@ which shows acceptance, not speed) and --draft-weights its format.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -37,8 +36,7 @@ from adapters.engine.build import weight_format
 from adapters.engine.engine import Engine
 from adapters.engine.model import LoadedModel, chat_token_ids, load_model
 from adapters.engine.runner import Chunk
-from adapters.engine.speculative import SpeculativeOptions
-from bench import measure
+from adapters.engine.speculative import SpeculativeOptions, pass_seconds
 from core.protocol import Assignment, Decoded, GenerationRequest, Sampling
 
 # About 300 words of plain prose, written for this benchmark.
@@ -196,16 +194,8 @@ def cost_curve(engine: Engine, position: int, repeats: int = 15) -> list[tuple[i
         filled += count
     curve = []
     for guesses in COST_TOKENS:
-        tokens = context[position : position + guesses + 1].to(device)
-        chunk = Chunk(table, position, tokens)
-        took = []
-        for _ in range(repeats + 2):
-            measure.sync(torch.device(device))
-            began = time.perf_counter()
-            runner.prefill_packed([chunk], range(guesses + 1))
-            measure.sync(torch.device(device))
-            took.append(time.perf_counter() - began)
-        curve.append((guesses, statistics.median(took[2:])))
+        chunk = Chunk(table, position, context[position : position + guesses + 1].to(device))
+        curve.append((guesses, pass_seconds(runner, chunk, repeats, warm=2)))
     return curve
 
 

@@ -453,10 +453,11 @@ class Engine:
         budget = min(options.step_budget - len(seqs), room)
         if budget <= 0:
             return None
-        counts = []
+        counts, pacers = [], []
         for seq in seqs:
             if seq.pacer is None:
                 seq.pacer = Pacer(options.max_tokens)
+            pacers.append(seq.pacer)
             generation = seq.generation
             counts.append(max(0, min(
                 seq.pacer.length,
@@ -467,14 +468,13 @@ class Engine:
         assert self._pass_costs is not None
         context = sum(seq.position for seq in seqs) // len(seqs)
         costs = self._pass_costs.at(context)
-        acceptances = [seq.pacer.acceptance if seq.pacer else 0.0 for seq in seqs]
+        acceptances = [pacer.acceptance for pacer in pacers]
         drafting = isinstance(proposer, DraftProposer)
         if drafting:  # a draft's guesses cost its steps: decide how many before it makes them
             counts = worth_verifying(costs, len(seqs), counts, acceptances, self._pass_costs.draft)
             if not any(counts):
-                for seq in seqs:
-                    if seq.pacer is not None:
-                        seq.pacer.idle()
+                for pacer in pacers:
+                    pacer.idle()
                 return None
         wanted = [
             (seq.key, self.scheduler.tokens(seq.key), count, seq.draw())
@@ -495,8 +495,8 @@ class Engine:
             counts = worth_verifying(costs, len(seqs), [len(g) for g in guesses], acceptances)
         for row, seq in enumerate(seqs):
             guess = guesses[row][: min(counts[row], budget)]
-            if guesses[row] and not guess and seq.pacer is not None:
-                seq.pacer.idle()  # it had guesses, not worth verifying now
+            if guesses[row] and not guess:
+                pacers[row].idle()  # it had guesses, not worth verifying now
             if guess:
                 guess = guess[: self.scheduler.lookahead(seq.key, len(guess))]
             budget -= len(guess)

@@ -182,6 +182,22 @@ class PassCosts:
         )
 
 
+def pass_seconds(runner: Runner, chunk: Chunk, repeats: int, warm: int = 1) -> float:
+    """The median seconds of `repeats` packed passes over `chunk` (logits of all its
+    positions, as a verification takes them), after `warm` passes not counted."""
+    device = runner.device
+    took = []
+    for _ in range(warm + repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        runner.prefill_packed([chunk], range(chunk.tokens.shape[0]))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        took.append(time.perf_counter() - began)
+    return statistics.median(took[warm:])
+
+
 def pass_costs(runner: Runner, most: int, drafting: Runner | None = None) -> PassCosts:
     """PassCosts measured on the runner's idle pool, before any sequence holds a block
     (the blocks' contents are overwritten by the sequences that come): at each of
@@ -205,16 +221,7 @@ def pass_costs(runner: Runner, most: int, drafting: Runner | None = None) -> Pas
         costs = [0.0]
         for count in range(1, most + 1):
             chunk = Chunk(table, position, tokens[position : position + count])
-            took = []
-            for _ in range(COST_REPEATS + 1):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                began = time.perf_counter()
-                runner.prefill_packed([chunk], range(count))
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                took.append(time.perf_counter() - began)
-            costs.append(max(statistics.median(took[1:]), costs[-1]))
+            costs.append(max(pass_seconds(runner, chunk, COST_REPEATS), costs[-1]))
         return tuple(costs)
 
     return PassCosts((near, far), curve(near), curve(far))
